@@ -1,0 +1,173 @@
+"""The gateway's one YAML config file: tenants, models, routing and limits.
+
+Validation is pydantic's; `load_config` turns its errors into one message that
+names the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from modeldock.discovery.snapshot import Endpoint
+
+HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message names file, field and reason."""
+
+
+def hash_key(key: str) -> str:
+    """The stored form of an API key."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantConfig(_Strict):
+    id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    api_key_hashes: Annotated[list[str], Field(min_length=1)]
+    models: Annotated[list[str], Field(min_length=1)]  # exact names or globs
+    requests_per_minute: Annotated[int, Field(ge=0)] = 0  # 0 means no limit
+    requests_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
+    max_in_flight: Annotated[int, Field(ge=0)] = 0  # 0 means no limit
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hashes(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not HASH_RE.match(item):
+                raise ValueError("each entry must be sha256:<64 lowercase hex>; make one with `modeldock keys hash`")
+        return value
+
+    def allows(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+class KubernetesTarget(_Strict):
+    namespace: Annotated[str, Field(min_length=1)]
+    service: Annotated[str, Field(min_length=1)]
+    port: int | str  # port number or port name in the EndpointSlice
+
+
+class ModelConfig(_Strict):
+    name: str
+    served_name: str | None = None  # the name the backend knows; defaults to `name`
+    endpoints: list[str] | None = None
+    kubernetes: KubernetesTarget | None = None
+    protocol: Literal["http1", "http2"] = "http1"
+
+    @field_validator("name", "served_name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not MODEL_NAME_RE.match(value):
+            raise ValueError("must be 1-255 characters of letters, digits and ._:/@+-")
+        return value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, value: list[str] | None) -> list[str] | None:
+        for item in value or ():
+            Endpoint.parse(item)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.endpoints is None) == (self.kubernetes is None):
+            raise ValueError("give exactly one of `endpoints` or `kubernetes`")
+        return self
+
+    @property
+    def upstream_name(self) -> str:
+        return self.served_name or self.name
+
+    def static_endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(Endpoint.parse(item) for item in self.endpoints or ())
+
+
+class RoutingConfig(_Strict):
+    policy: Literal["default", "seed", "least_request", "round_robin"] = "default"
+    fallbacks: Annotated[int, Field(ge=0, le=4)] = 2
+
+
+class LimitsConfig(_Strict):
+    redis_url: str | None = None
+    redis_fail_open: bool = False
+    redis_timeout_ms: Annotated[int, Field(ge=1, le=5000)] = 50
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+
+
+class DiscoveryConfig(_Strict):
+    stale_after_seconds: Annotated[float, Field(gt=0)] = 15.0
+
+
+class Config(_Strict):
+    tenants: list[TenantConfig] = []
+    models: Annotated[list[ModelConfig], Field(min_length=1)]
+    routing: RoutingConfig = RoutingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @model_validator(mode="after")
+    def _unique(self) -> Config:
+        for kind, names in (("models", [m.name for m in self.models]), ("tenants", [t.id for t in self.tenants])):
+            seen: set[str] = set()
+            for name in names:
+                if name in seen:
+                    raise ValueError(f"{kind}: {name!r} appears twice")
+                seen.add(name)
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out or "(top level)"
+
+
+def parse_config(data: object, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            # pydantic adds the validator kind to `loc` for unions; drop non-field parts.
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "union["))))
+            reason = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{source}: {_where(loc)}: {reason}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: (top level): must be a mapping with `models` and `tenants`")
+    return parse_config(data, str(path))

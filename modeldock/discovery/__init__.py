@@ -1,0 +1,1 @@
+"""Endpoint discovery: where the endpoints of each model come from."""

@@ -1,0 +1,75 @@
+"""One hierarchy for every rejection the gateway makes.
+
+Each rejection carries the HTTP status, the OpenAI error `type` and `code`, a
+message that is safe to show the client, and optional extra response headers.
+`modeldock.extproc.responses.rejection_response` is the one place that turns a
+rejection into an Envoy ImmediateResponse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class Rejection(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
+
+class BadRequest(Rejection):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(Rejection):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(Rejection):
+    status = 403
+    type = "invalid_request_error"
+    code = "model_not_allowed"
+
+
+class NotFound(Rejection):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(Rejection):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(Rejection):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class Unavailable(Rejection):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
