@@ -1,0 +1,3 @@
+from modeldock.cli import main
+
+raise SystemExit(main())

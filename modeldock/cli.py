@@ -1,0 +1,164 @@
+"""The `modeldock` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import logging
+import sys
+from pathlib import Path
+
+from modeldock import __version__
+from modeldock.config import ConfigError, hash_key, load_config
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _load(path: str):  # type: ignore[no-untyped-def]
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"modeldock: invalid config\n{exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_xds(args: argparse.Namespace) -> int:
+    from modeldock.xds.app import XdsOptions, serve
+
+    config = _load(args.config)
+    options = XdsOptions(Path(args.config), args.host, args.port, args.kubeconfig)
+    asyncio.run(serve(config, options, args.metrics_port))
+    return 0
+
+
+def cmd_extproc(args: argparse.Namespace) -> int:
+    from modeldock.extproc.app import ExtProcOptions, serve
+
+    config = _load(args.config)
+    asyncio.run(serve(config, ExtProcOptions(args.xds, args.host, args.port), args.metrics_port, args.grace))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from modeldock.up import run_up
+
+    return run_up(args)
+
+
+def cmd_keys_hash(args: argparse.Namespace) -> int:
+    key = args.key
+    if key is None:
+        # Read from the terminal or a pipe so the key stays out of shell history.
+        key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\n")
+    if not key:
+        print("modeldock: empty key", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    config = _load(args.path)
+    print(f"{args.path}: OK ({len(config.models)} models, {len(config.tenants)} tenants)")
+    return 0
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from modeldock.envoy import BootstrapOptions, render_bootstrap
+
+    host_x, _, port_x = args.xds.rpartition(":")
+    host_e, _, port_e = args.extproc.rpartition(":")
+    print(render_bootstrap(BootstrapOptions(
+        listen_port=args.port, admin_port=args.admin_port, xds_port=int(port_x), extproc_port=int(port_e),
+        listen_host=args.listen_host, xds_host=host_x, extproc_host=host_e, node_id=args.node_id,
+    )), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="modeldock", description="An LLM inference gateway: a Python control plane for Envoy."
+    )
+    parser.add_argument("--version", action="version", version=f"modeldock {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the whole stack on this machine (demo backends included)",
+                        description="Start simulated backends, the xDS server, ext_proc and Envoy on loopback.")
+    up.add_argument("--config", help="config file (default: the built-in demo config)")
+    up.add_argument("--port", type=int, default=8080, help="Envoy listener port (default 8080)")
+    up.add_argument("--backends", type=int, default=2, help="simulated backends for the demo config (default 2)")
+    up.add_argument("--speed", type=float, default=1.0, help="simulator speed factor (default 1.0 = real time)")
+    up.add_argument("--run-dir", help="where generated files and logs go (default: a new temp dir)")
+    up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for Envoy (default 60)")
+    up.set_defaults(func=cmd_up)
+
+    xds = sub.add_parser("xds", help="run the xDS (ADS) server", description="Serve EDS clusters per model over ADS.")
+    xds.add_argument("--config", required=True, help="config file")
+    xds.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    xds.add_argument("--port", type=int, default=18000, help="ADS port (default 18000)")
+    xds.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    xds.add_argument("--kubeconfig", help="kubeconfig for Kubernetes discovery (default: in-cluster, then ~/.kube/config)")
+    xds.set_defaults(func=cmd_xds)
+
+    ext = sub.add_parser("extproc", help="run the ext_proc service",
+                         description="Authenticate, admit and pick endpoints for Envoy's ext_proc filter.")
+    ext.add_argument("--config", required=True, help="config file")
+    ext.add_argument("--xds", default="127.0.0.1:18000", help="xDS server host:port (default 127.0.0.1:18000)")
+    ext.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    ext.add_argument("--port", type=int, default=18001, help="gRPC port (default 18001)")
+    ext.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ext.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM (default 30)")
+    ext.set_defaults(func=cmd_extproc)
+
+    env = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this control plane")
+    env.add_argument("--port", type=int, default=8080, help="listener port")
+    env.add_argument("--listen-host", default="0.0.0.0", help="listener address (default 0.0.0.0)")
+    env.add_argument("--admin-port", type=int, default=9901, help="admin port (bound to 127.0.0.1)")
+    env.add_argument("--xds", default="127.0.0.1:18000", help="xDS server host:port")
+    env.add_argument("--extproc", default="127.0.0.1:18001", help="ext_proc host:port")
+    env.add_argument("--node-id", default="modeldock-envoy", help="Envoy node id")
+    env.set_defaults(func=cmd_envoy_config)
+
+    keys = sub.add_parser("keys", help="API key tools")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    kh = keys_sub.add_parser("hash", help="print the stored form (sha256:...) of an API key")
+    kh.add_argument("key", nargs="?", help="the key (default: read from the terminal or stdin)")
+    kh.set_defaults(func=cmd_keys_hash)
+
+    cfg = sub.add_parser("config", help="config tools")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    cc = cfg_sub.add_parser("check", help="validate a config file")
+    cc.add_argument("path")
+    cc.set_defaults(func=cmd_config_check)
+
+    for name, module, text in (("sim", "modeldock.sim.cli", "run a simulated vLLM backend"),
+                               ("bench", "modeldock.bench.cli", "benchmark an OpenAI-compatible endpoint")):
+        try:
+            mod = __import__(module, fromlist=["add_arguments", "run"])
+        except ImportError:
+            continue
+        p = sub.add_parser(name, help=text, description=text)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

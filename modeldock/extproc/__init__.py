@@ -1,0 +1,1 @@
+"""The ext_proc service: authenticate, admit, pick, and count requests in flight."""

@@ -1,0 +1,108 @@
+"""The ext_proc process: the gRPC server, the ADS client that feeds it, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from modeldock.clock import Clock, SystemClock
+from modeldock.config import Config
+from modeldock.extproc.flow import RequestFlow
+from modeldock.extproc.gateway import Gateway
+from modeldock.extproc.server import ExtProcServicer
+from modeldock.picking import Picker
+from modeldock.xds.client import AdsClient
+from modeldock.xds.resources import cluster_name
+
+log = logging.getLogger("modeldock.extproc")
+
+
+@dataclass
+class ExtProcOptions:
+    xds_target: str
+    host: str = "127.0.0.1"
+    port: int = 18001
+
+
+class ExtProcMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "modeldock_requests", "Requests by outcome and status", ["outcome", "status"], registry=registry
+        )
+        self.duration = Histogram(
+            "modeldock_request_duration_seconds", "Time from first ext_proc message to end of stream",
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry,
+        )
+        self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
+        self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
+
+    def finished(self, flow: RequestFlow, seconds: float) -> None:
+        self.requests.labels(flow.outcome, str(flow.status)).inc()
+        if flow.outcome == "proxied":
+            self.duration.observe(seconds)
+
+
+class ExtProcServer:
+    def __init__(self, config: Config, options: ExtProcOptions, clock: Clock | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.clock = clock or SystemClock()
+        self.options = options
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ExtProcMetrics(self.registry)
+        self.picker = Picker(self.clock, fallbacks=config.routing.fallbacks)
+        self.xds = AdsClient(
+            options.xds_target,
+            [cluster_name(m.name) for m in config.models],
+            node_id=f"modeldock-extproc-{os.getpid()}",
+            clock=self.clock,
+            on_endpoints=lambda model, endpoints: self.gateway.on_endpoints(model, endpoints),
+            on_status=lambda stale: self.gateway.on_status(stale),
+        )
+        self.gateway = Gateway(config, self.clock, self.picker, xds_down_for=self.xds.disconnected_for)
+        self.servicer = ExtProcServicer(self.gateway, self.metrics.finished)
+        self.metrics.streams.set_function(lambda: self.servicer.open_streams)
+        self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.bound_port = 0
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
+        self._server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
+        self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        await self._server.start()
+        log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",
+                 self.options.host, self.bound_port, self.options.xds_target)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        # Let in-flight streams finish: killing ext_proc aborts every HTTP stream
+        # that Envoy still routes through it (failure_mode_allow is false).
+        if self._server is not None:
+            await self._server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:
+    server = ExtProcServer(config, options)
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=options.host, registry=server.registry)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("ext_proc draining (up to %.0fs)", grace)
+    await server.stop(grace)

@@ -1,0 +1,84 @@
+"""Parse what ext_proc sees of a request. Pure functions; every failure is a Rejection."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from modeldock.errors import BadRequest, PayloadTooLarge, Unauthorized
+
+# Model names: printable, no control characters, bounded length.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    method: str
+    path: str  # without the query string
+    authorization: tuple[str, ...]
+    content_length: int | None
+    request_id: str
+
+
+def read_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
+    method = path = request_id = ""
+    authorization: list[str] = []
+    content_length: int | None = None
+    for key, value in headers:
+        if key == ":method":
+            method = value
+        elif key == ":path":
+            path = value.split("?", 1)[0]
+        elif key == "authorization":
+            authorization.append(value)
+        elif key == "content-length":
+            content_length = int(value) if value.isdigit() else None
+        elif key == "x-request-id":
+            request_id = value
+    return RequestHead(method, path, tuple(authorization), content_length, request_id)
+
+
+def bearer_key(authorization: tuple[str, ...]) -> str:
+    """The API key from exactly one `Authorization: Bearer <key>` header."""
+    if not authorization:
+        raise Unauthorized("Missing API key. Send it as `Authorization: Bearer <key>`.", code="missing_api_key")
+    if len(authorization) > 1:
+        raise Unauthorized("Send exactly one Authorization header.", code="invalid_authorization")
+    scheme, _, key = authorization[0].strip().partition(" ")
+    if scheme.lower() != "bearer":
+        raise Unauthorized("Authorization must use the Bearer scheme.", code="invalid_authorization")
+    key = key.strip()
+    if not key:
+        raise Unauthorized("Missing API key. Send it as `Authorization: Bearer <key>`.", code="missing_api_key")
+    return key
+
+
+def check_length(length: int, limit: int) -> None:
+    if length > limit:
+        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit} bytes.")
+
+
+def parse_body(body: bytes) -> dict[str, object]:
+    """The JSON object of a completion request, with a valid `model`."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("Request body is not valid UTF-8.", code="invalid_body") from None
+    if not text.strip():
+        raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise BadRequest("Request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest("Request body must be a JSON object.", code="invalid_body")
+    model = data.get("model")
+    if model is None:
+        raise BadRequest("Request body has no `model`.", code="missing_model")
+    if not isinstance(model, str):
+        raise BadRequest("`model` must be a string.", code="invalid_model")
+    if not model or len(model) > 256 or _CONTROL.search(model):
+        raise BadRequest("`model` must be 1-256 printable characters.", code="invalid_model")
+    return data

@@ -1,0 +1,85 @@
+"""Build ext_proc ProcessingResponses; `rejection_response` is the one place a
+Rejection becomes an Envoy ImmediateResponse."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+
+from modeldock.errors import Rejection
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def json_response(status: int, payload: object, headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
+    mutation = ep.HeaderMutation(set_headers=[_header("content-type", "application/json")])
+    for key, value in (headers or {}).items():
+        mutation.set_headers.append(_header(key.lower(), value))
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            headers=mutation,
+            body=json.dumps(payload, separators=(",", ":")).encode(),
+            details=f"modeldock_{status}",
+        )
+    )
+
+
+def rejection_response(rejection: Rejection) -> ep.ProcessingResponse:
+    return json_response(rejection.status, rejection.body(), rejection.headers)
+
+
+def header_mutation(
+    set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
+) -> ep.HeaderMutation:
+    return ep.HeaderMutation(
+        set_headers=[_header(k, v) for k, v in (set_headers or {}).items()],
+        remove_headers=list(remove),
+    )
+
+
+def continue_request_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:
+    common = ep.CommonResponse(header_mutation=mutation) if mutation else ep.CommonResponse()
+    return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
+
+
+def continue_request_body(
+    mutation: ep.HeaderMutation | None = None, body: bytes | None = None, clear_route_cache: bool = False
+) -> ep.ProcessingResponse:
+    common = ep.CommonResponse(clear_route_cache=clear_route_cache)
+    if mutation is not None:
+        common.header_mutation.CopyFrom(mutation)
+    if body is not None:
+        common.body_mutation.body = body
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+def continue_response_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:
+    common = ep.CommonResponse(header_mutation=mutation) if mutation else ep.CommonResponse()
+    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=common))
+
+
+def continue_other(request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+    """An empty answer of the matching kind, for phases modeldock does not act on."""
+    kind = request.WhichOneof("request")
+    if kind == "response_body":
+        return ep.ProcessingResponse(response_body=ep.BodyResponse())
+    if kind == "request_trailers":
+        return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+    if kind == "response_trailers":
+        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+    if kind == "response_headers":
+        return continue_response_headers()
+    if kind == "request_body":
+        return continue_request_body()
+    return continue_request_headers()

@@ -1,0 +1,45 @@
+"""grpc.aio glue for ext_proc: one RequestFlow per stream, finished when the stream ends."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from modeldock.extproc.flow import RequestFlow
+from modeldock.extproc.gateway import Gateway
+
+log = logging.getLogger("modeldock.extproc")
+
+
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, gateway: Gateway, on_finish: Callable[[RequestFlow, float], None] | None = None) -> None:
+        self._gateway = gateway
+        self._on_finish = on_finish
+        self.open_streams = 0
+
+    async def Process(  # noqa: N802 (gRPC name)
+        self,
+        request_iterator: AsyncIterator[ep.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        flow = RequestFlow(self._gateway)
+        started = time.perf_counter()
+        self.open_streams += 1
+        try:
+            async for request in request_iterator:
+                yield flow.handle(request)
+        except Exception:
+            # A broken stream must not leak: the finally below still releases.
+            log.exception("ext_proc stream failed")
+        finally:
+            # Envoy ends the stream when the HTTP stream ends, including client
+            # disconnects (the generator is then closed or cancelled).
+            self.open_streams -= 1
+            flow.finish()
+            if self._on_finish is not None:
+                self._on_finish(flow, time.perf_counter() - started)

@@ -1,0 +1,204 @@
+"""`modeldock up`: the whole stack on one machine, supervised.
+
+Starts simulated backends, the xDS server (static discovery), ext_proc and
+Envoy as child processes on loopback. Every child dies with this process
+(PR_SET_PDEATHSIG) and is stopped on Ctrl-C or SIGTERM, so none is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from modeldock.config import Config, ConfigError, hash_key, load_config, parse_config
+from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.xds.resources import cluster_name
+
+DEMO_MODEL = "demo-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Linux: deliver SIGTERM to the child if `modeldock up` dies, even by SIGKILL.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def demo_config(api_key: str, endpoints: list[str]) -> dict[str, object]:
+    return {
+        "tenants": [{"id": "demo", "api_key_hashes": [hash_key(api_key)], "models": ["demo-*"]}],
+        "models": [{"name": DEMO_MODEL, "endpoints": endpoints}],
+    }
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Supervisor:
+    run_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, cmd: list[str]) -> Child:
+        log = self.run_dir / f"{name}.log"
+        handle = open(log, "ab")  # noqa: SIM115 (the child owns it)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        handle.close()
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def exited(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        # Front door first, so no new request arrives while the rest drains.
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.terminate()
+                try:
+                    child.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+
+
+def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback)
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError:
+        return 0, b""
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def envoy_ready(admin: str, config: Config) -> bool:
+    status, body = _get(f"{admin}/ready")
+    if status != 200:
+        return False
+    status, body = _get(f"{admin}/clusters?format=json")
+    if status != 200:
+        return False
+    hosts = {c["name"]: len(c.get("host_statuses", [])) for c in json.loads(body).get("cluster_statuses", [])}
+    return all(hosts.get(cluster_name(m.name), 0) > 0 for m in config.models)
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_up(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="modeldock-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    py = [sys.executable, "-m", "modeldock"]
+    sup = Supervisor(run_dir)
+    started = time.monotonic()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    generated_key: str | None = None
+    try:
+        if args.config:
+            config_path = Path(args.config).resolve()
+            config = load_config(config_path)
+        else:
+            api_key = os.environ.get("MODELDOCK_API_KEY", "")
+            if not api_key:
+                api_key = generated_key = "md-" + secrets.token_urlsafe(24)
+            sim_ports = [free_port() for _ in range(max(1, args.backends))]
+            for i, port in enumerate(sim_ports):
+                sup.start(f"sim-{i}", [*py, "sim", "--port", str(port), "--model", DEMO_MODEL,
+                                       "--speed", str(args.speed)])
+            data = demo_config(api_key, [f"127.0.0.1:{p}" for p in sim_ports])
+            config = parse_config(data, "built-in demo config")
+            config_path = run_dir / "config.yaml"
+            config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        xds_port, extproc_port, admin_port = free_port(), free_port(), free_port()
+        sup.start("xds", [*py, "xds", "--config", str(config_path), "--port", str(xds_port)])
+        sup.start("extproc", [*py, "extproc", "--config", str(config_path), "--port", str(extproc_port),
+                              "--xds", f"127.0.0.1:{xds_port}"])
+        bootstrap = run_dir / "envoy.yaml"
+        bootstrap.write_text(render_bootstrap(BootstrapOptions(
+            listen_port=args.port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_port,
+            buffer_limit=config.limits.max_body_bytes + 1024 * 1024,
+        )))
+        sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id",
+                            "--log-level", "warn", "--drain-time-s", "2"])
+        admin = f"http://127.0.0.1:{admin_port}"
+        deadline = time.monotonic() + args.ready_timeout
+        while not envoy_ready(admin, config):
+            dead = sup.exited()
+            if dead is not None:
+                print(f"modeldock: {dead.name} exited with {dead.proc.returncode}\n{_tail(dead.log)}", file=sys.stderr)
+                return 1
+            if time.monotonic() > deadline:
+                print(f"modeldock: Envoy not ready after {args.ready_timeout:.0f}s; logs in {run_dir}", file=sys.stderr)
+                return 1
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{args.port}/v1"
+        key_ref = generated_key or "$MODELDOCK_API_KEY"
+        model = config.models[0].name
+        print(f"modeldock is up in {time.monotonic() - started:.1f}s: {base}", flush=True)
+        if generated_key:
+            print(f"  API key for the demo tenant: {generated_key}  (set MODELDOCK_API_KEY to choose your own)")
+        print("  try:")
+        print(f"    curl -s {base}/chat/completions -H \"Authorization: Bearer {key_ref}\" "
+              f"-H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+        print(f"  logs and generated config: {run_dir}")
+        print("  Ctrl-C stops everything.", flush=True)
+        while True:
+            dead = sup.exited()
+            if dead is not None:
+                print(f"modeldock: {dead.name} exited with {dead.proc.returncode}; stopping\n{_tail(dead.log)}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+    except _Stop:
+        print("modeldock: stopping", file=sys.stderr, flush=True)
+        return 0
+    except ConfigError as exc:
+        print(f"modeldock: invalid config\n{exc}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sup.stop_all()

@@ -1,0 +1,1 @@
+"""The xDS control plane: EDS clusters per model, served over ADS to Envoy and ext_proc."""

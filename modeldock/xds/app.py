@@ -1,0 +1,152 @@
+"""The xDS server process: discovery -> snapshot -> resources -> ADS."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from modeldock.clock import Clock, SystemClock
+from modeldock.config import Config
+from modeldock.discovery.snapshot import SnapshotStore
+from modeldock.discovery.static import StaticDiscovery
+from modeldock.xds.builder import ResourceBuilder
+from modeldock.xds.cache import ResourceCache
+from modeldock.xds.protocol import StreamEvents
+from modeldock.xds.resources import ENDPOINT_TYPE
+from modeldock.xds.server import AdsServicer
+
+log = logging.getLogger("modeldock.xds")
+
+
+class XdsMetrics(StreamEvents):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.clients = Gauge("modeldock_xds_connected_clients", "ADS streams open", registry=registry)
+        self.pushes = Counter("modeldock_xds_pushes", "ADS responses sent", ["type"], registry=registry)
+        self.resources = Counter("modeldock_xds_resources_pushed", "Resources sent in ADS responses", ["type"], registry=registry)
+        self.nacks = Counter("modeldock_xds_nacks", "ADS responses rejected by a client", ["type"], registry=registry)
+        self.age = Gauge("modeldock_xds_snapshot_age_seconds", "Seconds since discovery confirmed a model", ["model"], registry=registry)
+        self.endpoints = Gauge("modeldock_xds_endpoints", "Endpoints served per model", ["model"], registry=registry)
+        self.stale = Gauge("modeldock_xds_stale", "1 when a model's snapshot is past the cutoff", ["model"], registry=registry)
+
+    def connected(self, delta: int) -> None:
+        self.clients.inc(delta)
+
+    def pushed(self, type_url: str, count: int) -> None:
+        short = type_url.rsplit(".", 1)[-1]
+        self.pushes.labels(short).inc()
+        self.resources.labels(short).inc(count)
+
+    def nacked(self, type_url: str, version: str, detail: str) -> None:
+        self.nacks.labels(type_url.rsplit(".", 1)[-1]).inc()
+
+
+@dataclass
+class XdsOptions:
+    config_path: Path
+    host: str = "127.0.0.1"
+    port: int = 18000
+    kubeconfig: str | None = None
+    tick_seconds: float = 0.5
+
+
+class XdsServer:
+    """Owns the snapshot store, the resource cache and the discovery tasks."""
+
+    def __init__(self, config: Config, options: XdsOptions, clock: Clock | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.options = options
+        self.clock = clock or SystemClock()
+        self.registry = registry or CollectorRegistry()
+        self.metrics = XdsMetrics(self.registry)
+        self.store = SnapshotStore(self.clock)
+        self.cache = ResourceCache()
+        self.builder = ResourceBuilder(config.models, config.discovery.stale_after_seconds)
+        self.servicer = AdsServicer(self.cache, self.metrics)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: grpc.aio.Server | None = None
+        self._stale: frozenset[str] = frozenset()
+        self.bound_port = 0
+        self._rebuild_pending = False
+
+    def rebuild(self) -> None:
+        now = self.clock.monotonic()
+        snapshot = self.store.current
+        resources = self.builder.build(snapshot, now)
+        stale = self.builder.stale_models(snapshot, now)
+        if stale != self._stale:
+            for model in stale - self._stale:
+                log.error("model %s: discovery has not confirmed endpoints for %.1fs; dispatch stopped",
+                          model, snapshot.age(model, now))
+            for model in self._stale - stale:
+                log.info("model %s: discovery confirmed again; dispatch resumed", model)
+            self._stale = stale
+        if self.cache.set(resources):
+            log.debug("resources now at EDS version %s", resources.versions.get(ENDPOINT_TYPE))
+        for model in self.config.models:
+            self.metrics.age.labels(model.name).set(min(snapshot.age(model.name, now), 1e9))
+            self.metrics.endpoints.labels(model.name).set(0 if model.name in stale else len(snapshot.endpoints(model.name)))
+            self.metrics.stale.labels(model.name).set(1 if model.name in stale else 0)
+
+    async def start(self) -> None:
+        static = StaticDiscovery(self.options.config_path, self.config.models, self.store)
+        self._tasks.append(asyncio.create_task(static.run(), name="static-discovery"))
+        kube_models = [m for m in self.config.models if m.kubernetes is not None]
+        if kube_models:
+            from modeldock.discovery.kubernetes import KubernetesDiscovery, load_api_client
+
+            kube = KubernetesDiscovery(kube_models, self.store, load_api_client(self.options.kubeconfig))
+            self._tasks.append(asyncio.create_task(kube.run(), name="kubernetes-discovery"))
+        self.rebuild()
+        self.store.subscribe(lambda _snapshot: self._schedule_rebuild())
+        self._tasks.append(asyncio.create_task(self._tick(), name="staleness"))
+        self._server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.servicer, self._server)
+        self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        await self._server.start()
+        log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
+
+    def _schedule_rebuild(self) -> None:
+        # Sources confirm often; coalesce a burst of store changes into one rebuild.
+        if not self._rebuild_pending:
+            self._rebuild_pending = True
+            asyncio.get_running_loop().call_soon(self._run_scheduled)
+
+    def _run_scheduled(self) -> None:
+        self._rebuild_pending = False
+        self.rebuild()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.tick_seconds)
+            self.rebuild()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace)
+
+
+async def serve(config: Config, options: XdsOptions, metrics_port: int | None) -> None:
+    server = XdsServer(config, options)
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=options.host, registry=server.registry)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("xDS server shutting down")
+    await server.stop()

@@ -1,0 +1,75 @@
+"""grpc.aio glue for ADS: one SotwStream per connection, fed by requests and cache changes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+from modeldock.xds.cache import ResourceCache
+from modeldock.xds.protocol import SotwStream, StreamEvents
+
+log = logging.getLogger("modeldock.xds")
+
+_CHANGED = object()
+_END = object()
+
+
+class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, cache: ResourceCache, events: StreamEvents | None = None) -> None:
+        self._cache = cache
+        self._events = events or StreamEvents()
+        self.streams = 0
+
+    async def StreamAggregatedResources(  # noqa: N802 (gRPC name)
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        stream = SotwStream(self._cache, peer=context.peer(), events=self._events)
+        queue: asyncio.Queue[object] = asyncio.Queue()
+
+        def changed() -> None:
+            queue.put_nowait(_CHANGED)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    queue.put_nowait(request)
+            except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                pass
+            finally:
+                queue.put_nowait(_END)
+
+        self._cache.add_listener(changed)
+        reader = asyncio.create_task(read())
+        self.streams += 1
+        self._events_connected(+1)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    break
+                if item is _CHANGED:
+                    # Coalesce a burst of changes into one pass.
+                    while not queue.empty() and queue._queue[0] is _CHANGED:  # type: ignore[attr-defined]
+                        queue.get_nowait()
+                    responses = stream.on_change()
+                else:
+                    responses = stream.on_request(item)  # type: ignore[arg-type]
+                for response in responses:
+                    yield response
+        finally:
+            self.streams -= 1
+            self._events_connected(-1)
+            self._cache.remove_listener(changed)
+            reader.cancel()
+            log.info("ADS stream from %s closed", stream.node_id or stream.peer)
+
+    def _events_connected(self, delta: int) -> None:
+        hook = getattr(self._events, "connected", None)
+        if hook is not None:
+            hook(delta)
