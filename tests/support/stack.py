@@ -1,0 +1,190 @@
+"""Start the real stack for end-to-end tests: simulators, xDS, ext_proc, Envoy.
+
+Every process is a child of the test run (and dies with it); `Stack.stop`
+stops them all and the fixtures call it in a finalizer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from modeldock.config import hash_key
+from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.up import Supervisor, envoy_ready, free_port
+from modeldock.config import parse_config
+
+PY = [sys.executable, "-m", "modeldock"]
+API_KEY = "md-test-key-0123456789"
+OTHER_KEY = "md-other-tenant-key-987"
+
+
+def http_json(method: str, url: str, payload: object | None = None, timeout: float = 5.0) -> Any:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (loopback)
+        body = resp.read()
+    return json.loads(body) if body else None
+
+
+def wait_until(predicate: Any, timeout: float = 15.0, interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Sim:
+    port: int
+    name: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def requests(self) -> list[dict[str, Any]]:
+        return http_json("GET", f"{self.url}/sim/requests")
+
+    def stats(self) -> dict[str, Any]:
+        return http_json("GET", f"{self.url}/sim/stats")
+
+    def fault(self, mode: str, **kwargs: Any) -> None:
+        http_json("POST", f"{self.url}/sim/fault", {"mode": mode, **kwargs})
+
+    def healthy(self) -> bool:
+        try:
+            urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()  # noqa: S310
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class Stack:
+    run_dir: Path
+    sup: Supervisor
+    port: int
+    admin_port: int
+    extproc_metrics_port: int
+    xds_metrics_port: int
+    config_path: Path
+    sims: list[Sim] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def openai(self, api_key: str = API_KEY, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs)
+
+    def metric(self, name: str, port: int | None = None) -> float:
+        """Sum of a Prometheus metric's samples from ext_proc (or another port)."""
+        url = f"http://127.0.0.1:{port or self.extproc_metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=2).read().decode()  # noqa: S310
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def in_flight(self) -> float:
+        return self.metric("modeldock_in_flight")
+
+    def envoy_stat(self, name: str) -> int:
+        text = urllib.request.urlopen(f"{self.admin_url}/stats?filter=^{name}$", timeout=2).read().decode()  # noqa: S310
+        return sum(int(line.split(": ", 1)[1]) for line in text.splitlines() if ": " in line)
+
+    def stop(self) -> None:
+        self.sup.stop_all(timeout=5)
+
+
+def default_config(sims: Sequence[Sim]) -> dict[str, Any]:
+    return {
+        "tenants": [
+            {"id": "acme", "api_key_hashes": [hash_key(API_KEY)], "models": ["demo-*"]},
+            {"id": "other", "api_key_hashes": [hash_key(OTHER_KEY)], "models": ["other-model"]},
+        ],
+        "models": [
+            {"name": "demo-model", "endpoints": [s.address for s in sims]},
+            {"name": "other-model", "endpoints": [s.address for s in sims]},
+        ],
+    }
+
+
+def start_sims(sup: Supervisor, count: int, sim_args: Sequence[str] = (), model: str = "demo-model") -> list[Sim]:
+    sims = []
+    for i in range(count):
+        port = free_port()
+        sup.start(f"sim-{port}", [*PY, "sim", "--port", str(port), "--model", model, *sim_args])
+        sims.append(Sim(port, f"sim-{i}"))
+    for sim in sims:
+        wait_until(sim.healthy, 20, what=f"simulator on {sim.port}")
+    return sims
+
+
+@contextmanager
+def running_stack(
+    run_dir: Path,
+    *,
+    backends: int = 2,
+    sim_args: Sequence[str] = ("--speed", "20"),
+    config: dict[str, Any] | None = None,
+    edit_config: Any = None,
+) -> Iterator[Stack]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(run_dir)
+    try:
+        sims = start_sims(sup, backends, sim_args)
+        data = config if config is not None else default_config(sims)
+        if edit_config is not None:
+            edit_config(data, sims)
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        parsed = parse_config(data)
+        xds_port, extproc_port, admin_port, port = free_port(), free_port(), free_port(), free_port()
+        xm, em = free_port(), free_port()
+        sup.start("xds", [*PY, "--log-level", "debug", "xds", "--config", str(config_path), "--port", str(xds_port),
+                          "--metrics-port", str(xm)])
+        sup.start("extproc", [*PY, "--log-level", "debug", "extproc", "--config", str(config_path),
+                              "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
+                              "--metrics-port", str(em), "--grace", "2"])
+        bootstrap = run_dir / "envoy.yaml"
+        bootstrap.write_text(render_bootstrap(BootstrapOptions(
+            listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_port,
+            buffer_limit=parsed.limits.max_body_bytes + 1024 * 1024)))
+        sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id", "--log-level", "warn",
+                            "--drain-time-s", "1"])
+        stack = Stack(run_dir, sup, port, admin_port, em, xm, config_path, sims)
+        wait_until(lambda: _ready(stack, parsed), 30, what="Envoy clusters ready")
+        yield stack
+    finally:
+        sup.stop_all(timeout=5)
+
+
+def _ready(stack: Stack, parsed: Any) -> bool:
+    dead = stack.sup.exited()
+    if dead is not None:
+        raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
+    return envoy_ready(stack.admin_url, parsed)
