@@ -42,7 +42,7 @@ def read_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
 
 def bearer_key(authorization: tuple[str, ...]) -> str:
     """The API key from exactly one `Authorization: Bearer <key>` header."""
-    if not authorization:
+    if not authorization or (len(authorization) == 1 and not authorization[0].strip()):
         raise Unauthorized("Missing API key. Send it as `Authorization: Bearer <key>`.", code="missing_api_key")
     if len(authorization) > 1:
         raise Unauthorized("Send exactly one Authorization header.", code="invalid_authorization")

@@ -188,3 +188,34 @@ def _ready(stack: Stack, parsed: Any) -> bool:
     if dead is not None:
         raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
     return envoy_ready(stack.admin_url, parsed)
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def raw_request(method: str, url: str, body: bytes | None = None, headers: Sequence[tuple[str, str]] = (),
+                timeout: float = 10.0) -> RawResponse:
+    """An HTTP request with exactly these headers (duplicates kept), for malformed-input tests."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.putrequest(method, parts.path + (f"?{parts.query}" if parts.query else ""))
+        for key, value in headers:
+            conn.putheader(key, value)
+        if body is not None:
+            conn.putheader("content-length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return RawResponse(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
