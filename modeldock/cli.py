@@ -42,7 +42,8 @@ def cmd_extproc(args: argparse.Namespace) -> int:
     from modeldock.extproc.app import ExtProcOptions, serve
 
     config = _load(args.config)
-    asyncio.run(serve(config, ExtProcOptions(args.xds, args.host, args.port), args.metrics_port, args.grace))
+    options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config))
+    asyncio.run(serve(config, options, args.metrics_port, args.grace))
     return 0
 
 

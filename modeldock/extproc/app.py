@@ -12,8 +12,11 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pathlib import Path
+
+from modeldock.admission.limits import Admission
 from modeldock.clock import Clock, SystemClock
-from modeldock.config import Config
+from modeldock.config import Config, ConfigError, load_config
 from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
@@ -29,6 +32,8 @@ class ExtProcOptions:
     xds_target: str
     host: str = "127.0.0.1"
     port: int = 18001
+    config_path: Path | None = None  # re-read when it changes (tenants, keys, limits)
+    reload_interval: float = 1.0
 
 
 class ExtProcMetrics:
@@ -65,7 +70,8 @@ class ExtProcServer:
             on_endpoints=lambda model, endpoints: self.gateway.on_endpoints(model, endpoints),
             on_status=lambda stale: self.gateway.on_status(stale),
         )
-        self.gateway = Gateway(config, self.clock, self.picker, xds_down_for=self.xds.disconnected_for)
+        self.admission = Admission(config, self.clock, registry=self.registry)
+        self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for)
         self.servicer = ExtProcServicer(self.gateway, self.metrics.finished)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
@@ -75,12 +81,39 @@ class ExtProcServer:
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
+        if self.options.config_path is not None:
+            self._tasks.append(asyncio.create_task(self._watch_config(self.options.config_path), name="reload"))
         self._server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",
                  self.options.host, self.bound_port, self.options.xds_target)
+
+    async def _watch_config(self, path: Path) -> None:
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = path.stat()  # follows the symlink swap of a mounted Secret/ConfigMap
+            except OSError:
+                return None
+            return (st.st_mtime_ns, st.st_size)
+
+        seen = stamp()
+        while True:
+            await asyncio.sleep(self.options.reload_interval)
+            now = stamp()
+            if now is None or now == seen:
+                continue
+            seen = now
+            try:
+                config = load_config(path)
+            except ConfigError as exc:
+                log.error("config reload failed; keeping the last good config\n%s", exc)
+                continue
+            if [m.name for m in config.models] != [m.name for m in self.gateway.config.models]:
+                log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
+            self.gateway.apply_config(config)
+            log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
 
     async def stop(self, grace: float = 10.0) -> None:
         # Let in-flight streams finish: killing ext_proc aborts every HTTP stream
@@ -90,6 +123,7 @@ class ExtProcServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.admission.close()
 
 
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:

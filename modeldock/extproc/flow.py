@@ -20,6 +20,7 @@ from modeldock.errors import BadRequest, NotFound, Rejection
 from modeldock.extproc import responses
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.request import RequestHead, bearer_key, check_length, parse_body, read_head
+from modeldock.admission.limits import Ticket
 from modeldock.picking import Lease
 from modeldock.xds.resources import CLUSTER_HEADER, DESTINATION_HEADER, cluster_name
 
@@ -54,16 +55,17 @@ class RequestFlow:
         self.tenant: TenantConfig | None = None
         self.model: str | None = None
         self.lease: Lease | None = None
+        self.ticket: Ticket | None = None
         self.outcome = "incomplete"
         self.status = 0
 
-    def handle(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+    async def handle(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         try:
             kind = request.WhichOneof("request")
             if kind == "request_headers" and self._phase is Phase.HEADERS:
                 return self._on_request_headers(request.request_headers)
             if kind == "request_body" and self._phase is Phase.BODY:
-                return self._on_request_body(request.request_body)
+                return await self._on_request_body(request.request_body)
             if kind == "response_headers" and self._phase is Phase.UPSTREAM:
                 return self._on_response_headers(request)
             if self._phase in (Phase.HEADERS, Phase.BODY):
@@ -103,7 +105,7 @@ class RequestFlow:
         self._phase = Phase.BODY
         return responses.continue_request_headers(responses.header_mutation(remove=STRIPPED))
 
-    def _on_request_body(self, body: ep.HttpBody) -> ep.ProcessingResponse:
+    async def _on_request_body(self, body: ep.HttpBody) -> ep.ProcessingResponse:
         assert self.tenant is not None
         check_length(len(body.body), self._gateway.max_body_bytes)
         data = parse_body(body.body)
@@ -115,7 +117,9 @@ class RequestFlow:
             data["model"] = config.upstream_name
             new_body = json.dumps(data, separators=(",", ":")).encode()
             set_headers["content-length"] = str(len(new_body))
-        pick = self._gateway.pick(model)  # counts the request in flight
+        self.ticket = await self._gateway.admission.admit(self.tenant, model)
+        # No await from here on: pick and count happen in one step.
+        pick = self._gateway.pick(model)
         self.lease = pick.lease
         self._phase = Phase.UPSTREAM
         set_headers[DESTINATION_HEADER] = pick.header_value
@@ -136,9 +140,13 @@ class RequestFlow:
             served = attrs.fields.get(UPSTREAM_ADDRESS)
             if served is not None and served.string_value:
                 self.lease.move_to(served.string_value)
+        if self.ticket is not None and self.ticket.headers:
+            return responses.continue_response_headers(responses.header_mutation(self.ticket.headers))
         return responses.continue_response_headers()
 
     def finish(self) -> None:
         """The HTTP stream ended (completed, failed or cancelled). Idempotent."""
         if self.lease is not None:
             self.lease.release()
+        if self.ticket is not None:
+            self.ticket.release()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from modeldock.admission.keys import KeyStore
+from modeldock.admission.limits import Admission
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.discovery.snapshot import Endpoint
@@ -21,17 +22,21 @@ class Gateway:
         config: Config,
         clock: Clock,
         picker: Picker,
+        admission: Admission,
         *,
         xds_down_for: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.clock = clock
         self.picker = picker
+        self.admission = admission
         self._xds_down_for = xds_down_for
         self.stale_models: frozenset[str] = frozenset()
         self.apply_config(config)
 
     def apply_config(self, config: Config) -> None:
-        """Swap tenants and models; used at start and on reload."""
+        """Swap tenants, models and limits; used at start and on reload."""
+        if getattr(self, "config", None) is not None:
+            self.admission.reconfigure(config)
         self.config = config
         self.keys = KeyStore(config.tenants)
         self._models = {m.name: m for m in config.models}

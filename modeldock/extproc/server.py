@@ -32,7 +32,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self.open_streams += 1
         try:
             async for request in request_iterator:
-                yield flow.handle(request)
+                yield await flow.handle(request)
         except Exception:
             # A broken stream must not leak: the finally below still releases.
             log.exception("ext_proc stream failed")

@@ -9,6 +9,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
+from modeldock.admission.limits import Admission
 from modeldock.clock import FakeClock
 from modeldock.config import hash_key, parse_config
 from modeldock.discovery.snapshot import Endpoint
@@ -31,7 +32,8 @@ CONFIG = {
 @pytest.fixture
 def gateway() -> Gateway:
     clock = FakeClock()
-    gw = Gateway(parse_config(CONFIG), clock, Picker(clock))
+    config = parse_config(CONFIG)
+    gw = Gateway(config, clock, Picker(clock), Admission(config, clock))
     gw.on_endpoints("llama-8b", (Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)))
     gw.on_endpoints("llama-70b", (Endpoint("10.0.0.3", 8000),))
     return gw
@@ -67,13 +69,13 @@ def set_headers(common: ep.CommonResponse) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
 
 
-def test_happy_path_picks_strips_and_counts(gateway: Gateway) -> None:
+async def test_happy_path_picks_strips_and_counts(gateway: Gateway) -> None:
     flow = RequestFlow(gateway)
-    r1 = flow.handle(post("/v1/chat/completions", KEY, ("x-gateway-destination-endpoint", "6.6.6.6:1")))
+    r1 = await flow.handle(post("/v1/chat/completions", KEY, ("x-gateway-destination-endpoint", "6.6.6.6:1")))
     assert r1.WhichOneof("response") == "request_headers"
     removed = set(r1.request_headers.response.header_mutation.remove_headers)
     assert {"authorization", "x-gateway-destination-endpoint", "x-modeldock-cluster"} <= removed
-    r2 = flow.handle(body({"model": "llama-8b", "messages": []}))
+    r2 = await flow.handle(body({"model": "llama-8b", "messages": []}))
     common = r2.request_body.response
     hdrs = set_headers(common)
     assert hdrs["x-modeldock-cluster"] == "model:llama-8b"
@@ -87,7 +89,7 @@ def test_happy_path_picks_strips_and_counts(gateway: Gateway) -> None:
     resp = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
     resp.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
-    flow.handle(resp)
+    await flow.handle(resp)
     assert gateway.picker.in_flight(Endpoint.parse(fallback)) == 1
     assert gateway.picker.in_flight(Endpoint.parse(primary)) == 0
     flow.finish()
@@ -95,10 +97,10 @@ def test_happy_path_picks_strips_and_counts(gateway: Gateway) -> None:
     assert gateway.picker.total_in_flight() == 0
 
 
-def test_alias_rewrites_body_for_backend(gateway: Gateway) -> None:
+async def test_alias_rewrites_body_for_backend(gateway: Gateway) -> None:
     flow = RequestFlow(gateway)
-    flow.handle(post())
-    r = flow.handle(body({"model": "llama-70b", "prompt": "hi"}))
+    await flow.handle(post())
+    r = await flow.handle(body({"model": "llama-70b", "prompt": "hi"}))
     rewritten = json.loads(r.request_body.response.body_mutation.body)
     assert rewritten == {"model": "meta/llama-70b", "prompt": "hi"}
     assert set_headers(r.request_body.response)["content-length"] == str(len(r.request_body.response.body_mutation.body))
@@ -127,12 +129,12 @@ def test_alias_rewrites_body_for_backend(gateway: Gateway) -> None:
         (post("/v1/chat/completions", KEY, ("content-length", "999999")), None, 413, "request_too_large"),
     ],
 )
-def test_rejections(gateway: Gateway, first, second, status: int, code: str) -> None:
+async def test_rejections(gateway: Gateway, first, second, status: int, code: str) -> None:
     flow = RequestFlow(gateway)
-    resp = flow.handle(first)
+    resp = await flow.handle(first)
     if second is not None:
         assert resp.WhichOneof("response") == "request_headers"
-        resp = flow.handle(second)
+        resp = await flow.handle(second)
     assert status_of(resp) == status
     err = error_of(resp)
     assert err["code"] == code and err["message"] and err["type"]
@@ -141,31 +143,71 @@ def test_rejections(gateway: Gateway, first, second, status: int, code: str) -> 
     assert gateway.picker.total_in_flight() == 0
 
 
-def test_models_lists_only_allowed(gateway: Gateway) -> None:
+async def test_models_lists_only_allowed(gateway: Gateway) -> None:
     flow = RequestFlow(gateway)
-    resp = flow.handle(headers((":method", "GET"), (":path", "/v1/models"), ("authorization", f"Bearer {KEY}"), end=True))
+    resp = await flow.handle(headers((":method", "GET"), (":path", "/v1/models"), ("authorization", f"Bearer {KEY}"), end=True))
     assert status_of(resp) == 200
     assert [m["id"] for m in json.loads(resp.immediate_response.body)["data"]] == ["llama-8b", "llama-70b"]
 
 
-def test_body_before_headers_is_refused(gateway: Gateway) -> None:
-    resp = RequestFlow(gateway).handle(body({"model": "llama-8b"}))
+async def test_body_before_headers_is_refused(gateway: Gateway) -> None:
+    resp = await RequestFlow(gateway).handle(body({"model": "llama-8b"}))
     assert status_of(resp) == 400
     assert gateway.picker.total_in_flight() == 0
 
 
-def test_stale_model_gets_503_with_reason(gateway: Gateway) -> None:
+async def test_stale_model_gets_503_with_reason(gateway: Gateway) -> None:
     gateway.on_status(frozenset({"llama-8b"}))
     flow = RequestFlow(gateway)
-    flow.handle(post())
-    resp = flow.handle(body({"model": "llama-8b"}))
+    await flow.handle(post())
+    resp = await flow.handle(body({"model": "llama-8b"}))
     assert status_of(resp) == 503
     assert error_of(resp)["code"] == "endpoint_snapshot_stale"
     assert "stale" in error_of(resp)["message"]
 
 
-def test_no_endpoints_gets_503(gateway: Gateway) -> None:
+async def test_no_endpoints_gets_503(gateway: Gateway) -> None:
     gateway.on_endpoints("llama-8b", ())
     flow = RequestFlow(gateway)
-    flow.handle(post())
-    assert status_of(flow.handle(body({"model": "llama-8b"}))) == 503
+    await flow.handle(post())
+    assert status_of(await flow.handle(body({"model": "llama-8b"}))) == 503
+
+
+async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> None:
+    clock = FakeClock()
+    data = dict(CONFIG, tenants=[{"id": "acme", "api_key_hashes": [hash_key(KEY)], "models": ["llama-*"],
+                                  "requests_per_minute": 2, "max_in_flight": 1}])
+    config = parse_config(data)
+    admission = Admission(config, clock)
+    gw = Gateway(config, clock, Picker(clock), admission)
+    gw.on_endpoints("llama-8b", (Endpoint("10.0.0.1", 8000),))
+
+    async def start() -> tuple[RequestFlow, ep.ProcessingResponse]:
+        flow = RequestFlow(gw)
+        await flow.handle(post())
+        return flow, await flow.handle(body({"model": "llama-8b"}))
+
+    first, r1 = await start()
+    assert r1.WhichOneof("response") == "request_body"
+    # A second concurrent request is over max_in_flight.
+    second, r2 = await start()
+    assert status_of(r2) == 429
+    second.finish()
+    # Response headers carry the x-ratelimit-* headers.
+    resp = await first.handle(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]))))
+    added = set_headers(resp.response_headers.response)
+    assert added["x-ratelimit-limit-requests"] == "2"
+    assert added["x-ratelimit-remaining-requests"] == "1"
+    first.finish()
+    assert admission.in_flight("acme") == 0 and gw.picker.total_in_flight() == 0
+    third, _ = await start()
+    third.finish()
+    fourth, r4 = await start()
+    assert status_of(r4) == 429
+    assert error_of(r4)["code"] == "rate_limit_exceeded"
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in r4.immediate_response.headers.set_headers}
+    assert int(hdrs["retry-after"]) >= 1
+    assert hdrs["x-ratelimit-remaining-requests"] == "0"
+    fourth.finish()
+    assert admission.in_flight("acme") == 0

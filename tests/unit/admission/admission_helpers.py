@@ -1,0 +1,32 @@
+"""Small builders shared by the admission tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modeldock.config import Config, LimitsConfig, ModelConfig, TenantConfig, hash_key
+
+
+def tenant(
+    tenant_id: str = "acme",
+    *,
+    rpm: int = 0,
+    per_model: dict[str, int] | None = None,
+    max_in_flight: int = 0,
+) -> TenantConfig:
+    return TenantConfig(
+        id=tenant_id,
+        api_key_hashes=[hash_key(f"key-{tenant_id}")],
+        models=["*"],
+        requests_per_minute=rpm,
+        requests_per_minute_per_model=per_model or {},
+        max_in_flight=max_in_flight,
+    )
+
+
+def config(*tenants: TenantConfig, **limits: Any) -> Config:
+    return Config(
+        tenants=list(tenants),
+        models=[ModelConfig(name="m", endpoints=["127.0.0.1:8000"])],
+        limits=LimitsConfig(**limits),
+    )
