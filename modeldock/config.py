@@ -95,9 +95,42 @@ class ModelConfig(_Strict):
         return tuple(Endpoint.parse(item) for item in self.endpoints or ())
 
 
+class WeightsConfig(_Strict):
+    queue: Annotated[float, Field(ge=0)] = 0.4
+    kv: Annotated[float, Field(ge=0)] = 0.3
+    running: Annotated[float, Field(ge=0)] = 0.15
+    in_flight: Annotated[float, Field(ge=0)] = 0.15
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> WeightsConfig:
+        if self.queue + self.kv + self.running + self.in_flight <= 0:
+            raise ValueError("at least one weight must be above 0")
+        return self
+
+
+class SaturationConfig(_Strict):
+    max_waiting: Annotated[int, Field(ge=1)] | None = None
+    max_kv: Annotated[float, Field(gt=0, le=1)] | None = None
+    reject: Literal["rate_limited", "unavailable"] = "rate_limited"
+    retry_after_seconds: Annotated[int, Field(ge=1)] = 1
+
+
+class ScrapeConfig(_Strict):
+    interval_seconds: Annotated[float, Field(gt=0, le=10)] = 0.5
+    timeout_seconds: Annotated[float, Field(gt=0, le=10)] = 0.5
+    budget_seconds: Annotated[float, Field(gt=0, le=10)] = 2.0
+    path: str = "/metrics"
+
+
 class RoutingConfig(_Strict):
     policy: Literal["default", "seed", "least_request", "round_robin"] = "default"
     fallbacks: Annotated[int, Field(ge=0, le=4)] = 2
+    weights: WeightsConfig = WeightsConfig()
+    stale_after_seconds: Annotated[float, Field(gt=0)] = 2.0  # metrics samples older than this are not trusted
+    stale_penalty: Annotated[float, Field(ge=0, le=1)] = 0.5
+    p2c_threshold: Annotated[int, Field(ge=2)] = 32
+    saturation: SaturationConfig = SaturationConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
 
 
 class LimitsConfig(_Strict):

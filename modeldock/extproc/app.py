@@ -20,7 +20,10 @@ from modeldock.config import Config, ConfigError, load_config
 from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
+from modeldock.config import RoutingConfig
 from modeldock.picking import Picker
+from modeldock.picking.saturation import Saturation
+from modeldock.picking.scrape import Scraper
 from modeldock.xds.client import AdsClient
 from modeldock.xds.resources import cluster_name
 
@@ -54,6 +57,21 @@ class ExtProcMetrics:
             self.duration.observe(seconds)
 
 
+def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegistry | None) -> Picker:
+    sat = routing.saturation
+    return Picker(
+        clock,
+        fallbacks=routing.fallbacks,
+        policy=routing.policy,
+        weights=routing.weights.model_dump(),
+        stale_after=routing.stale_after_seconds,
+        stale_penalty=routing.stale_penalty,
+        p2c_threshold=routing.p2c_threshold,
+        saturation=Saturation(sat.max_waiting, sat.max_kv, sat.reject, sat.retry_after_seconds),
+        registry=registry,
+    )
+
+
 class ExtProcServer:
     def __init__(self, config: Config, options: ExtProcOptions, clock: Clock | None = None,
                  registry: CollectorRegistry | None = None) -> None:
@@ -61,7 +79,11 @@ class ExtProcServer:
         self.options = options
         self.registry = registry or CollectorRegistry()
         self.metrics = ExtProcMetrics(self.registry)
-        self.picker = Picker(self.clock, fallbacks=config.routing.fallbacks)
+        self.picker = build_picker(config.routing, self.clock, self.registry)
+        scrape = config.routing.scrape
+        self.scraper = Scraper(self.picker, self.clock, interval=scrape.interval_seconds,
+                               timeout=scrape.timeout_seconds, budget=scrape.budget_seconds, path=scrape.path,
+                               registry=self.registry)
         self.xds = AdsClient(
             options.xds_target,
             [cluster_name(m.name) for m in config.models],
@@ -81,6 +103,7 @@ class ExtProcServer:
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
+        self.scraper.start()
         if self.options.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(self.options.config_path), name="reload"))
         self._server = grpc.aio.server()
@@ -123,6 +146,7 @@ class ExtProcServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.scraper.stop()
         await self.admission.close()
 
 

@@ -45,7 +45,9 @@ class Gateway:
 
     # Fed by the ADS client.
     def on_endpoints(self, model: str, endpoints: tuple[Endpoint, ...]) -> None:
-        self.picker.set_endpoints(model, endpoints)
+        config = self._models.get(model)
+        # vLLM labels its metrics with the name it serves, which an alias may hide.
+        self.picker.set_endpoints(model, endpoints, served_name=config.upstream_name if config else None)
 
     def on_status(self, stale_models: frozenset[str]) -> None:
         self.stale_models = stale_models

@@ -1,13 +1,33 @@
-"""Pick an endpoint and count it in flight in one step (no await in between)."""
+"""Pick an endpoint and count it in flight in one step (no await in between).
+
+The Picker owns the in-flight ledger and the latest load sample of every
+endpoint. `pick` is synchronous: it scores, chooses and counts before any
+other coroutine can run, so two concurrent requests never both see the same
+"idle" endpoint. The Scraper feeds samples in through `observe`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from time import perf_counter
+
+from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
 from modeldock.discovery.snapshot import Endpoint
 from modeldock.errors import Unavailable
+from modeldock.picking.metrics import EndpointRow, PickerMetrics
+from modeldock.picking.policies import RoundRobin, ScoredPolicy, make_policy
+from modeldock.picking.saturation import Saturation
+from modeldock.picking.scorers import Scorer, default_scorers
+from modeldock.picking.signals import Load, Sample, Signals
+
+_NO_LOAD = Load()  # read-only stand-in for endpoints never counted or sampled
+
+# A ranking entry: (saturated, score, random tie-break, endpoint); tuples sort in that order.
+_Keyed = tuple[bool, float, float, Endpoint]
 
 
 class Lease:
@@ -49,38 +69,213 @@ class Pick:
 
 
 class Picker:
-    """Least in-flight picking over the endpoints the xDS snapshot holds."""
+    """Load-aware picking over the endpoints the xDS snapshot holds.
 
-    def __init__(self, clock: Clock, fallbacks: int = 2) -> None:
+    policy: default | seed | least_request | round_robin (see policies.py).
+    weights: scorer name -> weight for `default` (queue, kv, running, in_flight);
+      scorers: full replacement list of (scorer, weight) instead.
+    stale_after: seconds after which a sample is ignored and the endpoint is
+      scored from its in-flight count plus stale_penalty.
+    p2c_threshold: above this many candidates, pick by power of two choices.
+    saturation: reject when every candidate is over its limits (None: never).
+    rng: tie-breaks and p2c sampling; inject a seeded one in tests.
+    registry: where to export metrics (None: no metrics).
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        fallbacks: int = 2,
+        *,
+        policy: str = "default",
+        weights: Mapping[str, float] | None = None,
+        scorers: Sequence[tuple[Scorer, float]] | None = None,
+        stale_after: float = 2.0,
+        stale_penalty: float = 0.5,
+        p2c_threshold: int = 32,
+        saturation: Saturation | None = None,
+        rng: random.Random | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if fallbacks < 0:
+            raise ValueError("fallbacks must be >= 0")
+        if stale_after <= 0:
+            raise ValueError("stale_after must be > 0")
+        if p2c_threshold < 2:
+            raise ValueError("p2c_threshold must be >= 2")
         self._clock = clock
         self._fallbacks = fallbacks
+        self._stale_after = stale_after
+        self._p2c_threshold = p2c_threshold
+        self._saturation = saturation if saturation is not None and saturation.enabled else None
+        self._rng = rng if rng is not None else random.Random()
+        if scorers is None and weights is not None:
+            scorers = default_scorers(weights)
+        self._policy: ScoredPolicy | RoundRobin = make_policy(policy, scorers, stale_penalty)
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
-        self._in_flight: dict[Endpoint, int] = {}
+        self._served: dict[str, str] = {}
+        self._live: frozenset[Endpoint] = frozenset()
+        self._loads: dict[Endpoint, Load] = {}
+        self._metrics = PickerMetrics(registry, self._policy.name, self._rows)
 
-    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
-        self._endpoints[model] = tuple(endpoints)
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    # -- endpoints -------------------------------------------------------
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None) -> None:
+        """Replace a model's candidates. `served_name` is the name the backend
+        reports in its metrics' model_name label (default: `model`)."""
+        self._endpoints[model] = tuple(dict.fromkeys(endpoints))
+        self._served[model] = served_name or model
+        self._live = frozenset(ep for eps in self._endpoints.values() for ep in eps)
+        for ep in [ep for ep, load in self._loads.items() if ep not in self._live and load.in_flight == 0]:
+            del self._loads[ep]
 
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
         return self._endpoints.get(model, ())
 
+    def scrape_targets(self) -> dict[Endpoint, str]:
+        """Every current endpoint and the model name to read from its metrics."""
+        targets: dict[Endpoint, str] = {}
+        for model, eps in self._endpoints.items():
+            for ep in eps:
+                targets.setdefault(ep, self._served[model])
+        return targets
+
+    # -- samples ---------------------------------------------------------
+
+    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None) -> None:
+        """A fresh scrape, taken at `taken_at` when this gateway had `in_flight_at`
+        requests on the endpoint (default: as many as now). Picks and completions
+        after that correct the sample until the next one arrives."""
+        load = self._loads.get(endpoint)
+        if load is None:
+            if endpoint not in self._live:
+                return  # left the snapshot while it was being scraped
+            load = self._loads[endpoint] = Load()
+        if taken_at < load.taken_at:
+            return  # an older result than the one we hold
+        load.sample = sample
+        load.taken_at = taken_at
+        load.base = load.in_flight if in_flight_at is None else in_flight_at
+        load.failures = 0
+
+    def observe_failure(self, endpoint: Endpoint) -> None:
+        """A failed scrape: the old sample stays and ages towards stale."""
+        load = self._loads.get(endpoint)
+        if load is None:
+            if endpoint not in self._live:
+                return
+            load = self._loads[endpoint] = Load()
+        load.failures += 1
+
+    def signals(self, endpoint: Endpoint) -> Signals:
+        """What a scorer would see for `endpoint` now."""
+        return self._loads.get(endpoint, _NO_LOAD).signals(self._clock.monotonic(), self._stale_after)
+
+    def score(self, endpoint: Endpoint) -> float | None:
+        """The endpoint's score now (lower is better); None for round_robin."""
+        if isinstance(self._policy, RoundRobin):
+            return None
+        return self._policy.score(self.signals(endpoint))
+
+    # -- picking ---------------------------------------------------------
+
     def pick(self, model: str) -> Pick:
-        candidates = self._endpoints.get(model, ())
+        started = perf_counter()
+        candidates = self._endpoints.get(model)
         if not candidates:
+            self._metrics.outcome["no_endpoints"].inc()
             raise Unavailable(f"No ready endpoints for model {model!r}.", code="no_ready_endpoints")
-        ranked = sorted(candidates, key=lambda e: self._in_flight.get(e, 0))
-        lease = Lease(self, ranked[0])
-        self._add(ranked[0], +1)
-        return Pick(ranked[0], tuple(ranked[1 : 1 + self._fallbacks]), lease)
+        count = 1 + self._fallbacks
+        if isinstance(self._policy, RoundRobin):
+            ranked = self._round_robin(model, candidates, count)
+        elif len(candidates) > self._p2c_threshold:
+            ranked = self._two_choices(candidates, count)
+        else:
+            ranked = self._rank(candidates, count)
+        if ranked is None:
+            self._metrics.outcome["saturated"].inc()
+            assert self._saturation is not None
+            raise self._saturation.rejection(model, len(candidates))
+        primary = ranked[0]
+        self._add(primary, +1)
+        result = Pick(primary, tuple(ranked[1:]), Lease(self, primary))
+        self._metrics.outcome["picked"].inc()
+        self._metrics.latency.observe(perf_counter() - started)
+        return result
+
+    def _keyed(self, endpoints: Sequence[Endpoint], now: float) -> list[_Keyed]:
+        assert not isinstance(self._policy, RoundRobin)
+        score = self._policy.score
+        loads = self._loads
+        stale_after = self._stale_after
+        saturation = self._saturation
+        rand = self._rng.random
+        keyed = []
+        for ep in endpoints:
+            s = loads.get(ep, _NO_LOAD).signals(now, stale_after)
+            over = saturation.over(s) if saturation is not None else False
+            keyed.append((over, score(s), rand(), ep))
+        return keyed
+
+    def _rank(self, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
+        """Score everyone; best first, saturated last, equal scores in random order."""
+        keyed = self._keyed(candidates, self._clock.monotonic())
+        keyed.sort()
+        if keyed[0][0]:
+            return None  # even the best is saturated
+        return [k[3] for k in keyed[:count]]
+
+    def _two_choices(self, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
+        """Power of two choices: the better of two random candidates is the
+        primary; the loser and a few more random ones, ranked, are fallbacks."""
+        drawn = self._rng.sample(candidates, min(len(candidates), count + 1))
+        keyed = self._keyed(drawn, self._clock.monotonic())
+        first, second, *rest = keyed
+        primary, other = (first, second) if first < second else (second, first)
+        if primary[0]:
+            return self._rank(candidates, count)  # both drawn are saturated: rare, so look at all
+        rest.append(other)
+        rest.sort()
+        return [primary[3], *(k[3] for k in rest[: count - 1])]
+
+    def _round_robin(self, model: str, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
+        assert isinstance(self._policy, RoundRobin)
+        saturation = self._saturation
+        if saturation is None:
+            return self._policy.order(model, candidates, count)
+        ordered = self._policy.order(model, candidates, len(candidates))
+        now = self._clock.monotonic()
+        over = {ep for ep in ordered if saturation.over(self._loads.get(ep, _NO_LOAD).signals(now, self._stale_after))}
+        if len(over) == len(ordered):
+            return None
+        return ([ep for ep in ordered if ep not in over] + [ep for ep in ordered if ep in over])[:count]
+
+    # -- ledger ----------------------------------------------------------
 
     def in_flight(self, endpoint: Endpoint) -> int:
-        return self._in_flight.get(endpoint, 0)
+        load = self._loads.get(endpoint)
+        return load.in_flight if load is not None else 0
 
     def total_in_flight(self) -> int:
-        return sum(self._in_flight.values())
+        return sum(load.in_flight for load in self._loads.values())
 
     def _add(self, endpoint: Endpoint, delta: int) -> None:
-        count = self._in_flight.get(endpoint, 0) + delta
-        if count:
-            self._in_flight[endpoint] = count
-        else:
-            self._in_flight.pop(endpoint, None)
+        load = self._loads.get(endpoint)
+        if load is None:
+            load = self._loads[endpoint] = Load()
+        load.in_flight += delta
+        if load.in_flight == 0 and endpoint not in self._live:
+            del self._loads[endpoint]  # gone from the snapshot and nothing left to count
+
+    def _rows(self) -> list[EndpointRow]:
+        now = self._clock.monotonic()
+        rows = []
+        for ep in sorted(self._live | self._loads.keys()):
+            load = self._loads.get(ep, _NO_LOAD)
+            age = now - load.taken_at if load.sample is not None else None
+            rows.append(EndpointRow(ep.address, load.in_flight, self.score(ep), age, load.failures))
+        return rows
