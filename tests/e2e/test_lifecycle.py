@@ -1,0 +1,175 @@
+"""A request's whole life through real Envoy: retries before the first byte, none after,
+cancellation when the client leaves, load-aware picking, and counts back to zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.support.stack import API_KEY, Stack, running_stack, wait_until
+
+pytestmark = pytest.mark.e2e
+MSG = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # Real time, 20 ms steps; at most 4 running sequences so a queue can build up.
+    with running_stack(tmp_path_factory.mktemp("life"), backends=3,
+                       sim_args=("--step-base-ms", "20", "--speed", "1", "--max-num-seqs", "4")) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def clean(stack: Stack) -> Iterator[None]:
+    for sim in stack.sims:
+        if sim.healthy():
+            sim.fault("none")
+            urllib.request.urlopen(urllib.request.Request(  # noqa: S310
+                f"{sim.url}/sim/slow", data=b'{"extra_step_ms": 0}', method="POST"), timeout=2).read()
+    yield
+    wait_until(lambda: stack.in_flight() == 0, 10, what="in-flight count back to 0")
+
+
+def retries(stack: Stack) -> int:
+    text = urllib.request.urlopen(f"{stack.admin_url}/stats?filter=upstream_rq_retry$", timeout=2).read().decode()  # noqa: S310
+    return sum(int(line.rsplit(": ", 1)[1]) for line in text.splitlines() if "demo-model" in line)
+
+
+def received(stack: Stack) -> list[int]:
+    return [s.stats()["received"] if s.healthy() else 0 for s in stack.sims]
+
+
+@pytest.mark.parametrize("mode", ["status_503", "reset_before_headers"])
+def test_failure_before_headers_moves_to_another_endpoint(stack: Stack, mode: str) -> None:
+    a, b, c = stack.sims
+    a.fault(mode)
+    b.fault(mode)
+    before_retries, before = retries(stack), received(stack)
+    client = stack.openai()
+    for _ in range(6):
+        reply = client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=2)
+        assert reply.choices[0].message.content
+    after = received(stack)
+    assert after[2] - before[2] == 6, "every request ended on the healthy endpoint"
+    assert after[0] - before[0] + after[1] - before[1] > 0, "the failing endpoints were tried"
+    assert retries(stack) > before_retries
+
+
+def test_backend_dying_mid_stream_is_not_retried_or_spliced(stack: Stack) -> None:
+    for sim in stack.sims:
+        sim.fault("die_after_chunks", chunks=3)
+    before_retries, before = retries(stack), received(stack)
+    pieces: list[str] = []
+    with pytest.raises(Exception):  # noqa: B017 (the SDK surfaces a cut stream as a transport error)
+        for chunk in stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=50,
+                                                            stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+    assert sum(received(stack)) - sum(before) == 1, "exactly one attempt"
+    assert retries(stack) == before_retries
+    assert len(pieces) <= 3, "no content from a second attempt was spliced in"
+
+
+def test_client_disconnect_cancels_upstream_fast(stack: Stack) -> None:
+    before = [s.stats()["cancelled"] for s in stack.sims]
+    client = stack.openai()
+    stream = client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1000, stream=True)
+    got = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            got += 1
+            if got == 3:
+                break
+    assert stack.in_flight() == 1
+    stream.close()
+    closed = time.perf_counter()
+    seen_at = None
+    while time.perf_counter() - closed < 2:
+        if any(s.stats()["cancelled"] > b for s, b in zip(stack.sims, before)):
+            seen_at = time.perf_counter() - closed
+            break
+        time.sleep(0.005)
+    assert seen_at is not None, "the backend never saw the cancellation"
+    print(f"\nclient close -> backend cancelled: {seen_at * 1000:.1f} ms")
+    assert seen_at < 0.1
+    wait_until(lambda: stack.in_flight() == 0, 2, what="in-flight count released")
+
+
+def test_concurrent_mixed_outcomes_leave_no_count_behind(stack: Stack) -> None:
+    client = stack.openai()
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            stream = client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=30, stream=True)
+            for n, _ in enumerate(stream):
+                if i % 2 and n == 3:
+                    stream.close()  # half the clients leave mid-stream
+                    return
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count back to 0")
+
+
+def test_busy_endpoint_gets_no_new_requests(stack: Stack) -> None:
+    a, b, c = stack.sims
+    # Load `a` directly (not through the gateway): 12 long requests on 4 slots leaves 8 waiting.
+    def flood() -> None:
+        body = json.dumps({"model": "demo-model", "prompt": "x", "max_tokens": 150}).encode()
+        try:
+            urllib.request.urlopen(urllib.request.Request(  # noqa: S310
+                f"{a.url}/v1/completions", data=body, headers={"content-type": "application/json"}), timeout=30).read()
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(12)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: a.stats()["waiting"] >= 6, 5, what="a queue on the busy endpoint")
+    time.sleep(1.2)  # let the scraper see it
+    before = received(stack)
+    client = stack.openai()
+    for _ in range(8):
+        client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1)
+    after = received(stack)
+    assert after[0] - before[0] == 0, "a request went to the endpoint with the long queue"
+    assert after[1] - before[1] + after[2] - before[2] == 8
+    for t in threads:
+        t.join(30)
+
+
+def test_long_stream_outlives_the_default_route_timeout(stack: Stack) -> None:
+    # Envoy's default route timeout (15 s) would cut this stream; modeldock sets timeout 0s.
+    started = time.perf_counter()
+    pieces = 0
+    for chunk in stack.openai().completions.create(model="demo-model", prompt="go", max_tokens=800, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            pieces += 1
+    assert time.perf_counter() - started > 15.5
+    assert pieces == 800
+
+
+def test_killed_backend_before_headers_moves_to_another(stack: Stack) -> None:
+    victim = stack.sims[0]
+    child = next(ch for ch in stack.sup.children if ch.name == f"sim-{victim.port}")
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.wait(5)
+    client = stack.openai()
+    for _ in range(6):
+        assert client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1).choices
