@@ -136,12 +136,19 @@ class Picker:
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
         return self._endpoints.get(model, ())
 
-    def scrape_targets(self) -> dict[Endpoint, str]:
-        """Every current endpoint and the model name to read from its metrics."""
-        targets: dict[Endpoint, str] = {}
+    def scrape_targets(self) -> dict[Endpoint, str | None]:
+        """Every current endpoint and the model name to read from its metrics.
+
+        An endpoint listed under several models (one server, several names) is
+        read whole (None): its load is shared by all of them."""
+        targets: dict[Endpoint, str | None] = {}
         for model, eps in self._endpoints.items():
+            served = self._served[model]
             for ep in eps:
-                targets.setdefault(ep, self._served[model])
+                if ep in targets and targets[ep] != served:
+                    targets[ep] = None
+                else:
+                    targets.setdefault(ep, served)
         return targets
 
     # -- samples ---------------------------------------------------------

@@ -148,3 +148,15 @@ def test_junk_never_crashes(text: str) -> None:
     sample = parse_metrics(text, "m")
     if sample is not None:
         assert sample.waiting >= 0 and sample.running >= 0 and 0.0 <= sample.kv <= 1.0
+
+
+def test_endpoint_shared_by_two_models_is_read_whole() -> None:
+    from modeldock.clock import FakeClock
+    from modeldock.discovery.snapshot import Endpoint
+    from modeldock.picking import Picker
+
+    picker = Picker(FakeClock())
+    shared, solo = Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80)
+    picker.set_endpoints("a", [shared, solo])
+    picker.set_endpoints("b", [shared])
+    assert picker.scrape_targets() == {shared: None, solo: "a"}
