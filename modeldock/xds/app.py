@@ -102,7 +102,11 @@ class XdsServer:
         if kube_models:
             from modeldock.discovery.kubernetes import KubernetesDiscovery, load_api_client
 
-            kube = KubernetesDiscovery(kube_models, self.store, load_api_client(self.options.kubeconfig))
+            # A quiet, healthy Service is confirmed when its watch times out cleanly;
+            # renew it well within the staleness cutoff.
+            stale_after = self.config.discovery.stale_after_seconds
+            kube = KubernetesDiscovery(kube_models, self.store, load_api_client(self.options.kubeconfig),
+                                       watch_timeout_seconds=max(1, int(stale_after / 3)))
             self._tasks.append(asyncio.create_task(kube.run(), name="kubernetes-discovery"))
         self.rebuild()
         self.store.subscribe(lambda _snapshot: self._schedule_rebuild())
