@@ -7,10 +7,12 @@ stops them all and the fixtures call it in a finalizer.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +22,7 @@ import yaml
 
 from modeldock.config import hash_key
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
-from modeldock.up import Supervisor, envoy_ready, free_port
+from modeldock.up import Child, Supervisor, _die_with_parent, envoy_ready, free_port
 from modeldock.config import parse_config
 
 PY = [sys.executable, "-m", "modeldock"]
@@ -85,6 +87,9 @@ class Stack:
     xds_metrics_port: int
     config_path: Path
     sims: list[Sim] = field(default_factory=list)
+    # One entry per ext_proc replica; replica 0 is `extproc_metrics_port` and logs to extproc.log.
+    extproc_metrics_ports: list[int] = field(default_factory=list)
+    extproc_ports: list[int] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -109,8 +114,13 @@ class Stack:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def metric_per_replica(self, name: str) -> list[float]:
+        """The metric's sum on each ext_proc replica, in replica order."""
+        return [self.metric(name, port) for port in self.extproc_metrics_ports or [self.extproc_metrics_port]]
+
     def in_flight(self) -> float:
-        return self.metric("modeldock_in_flight")
+        """Requests counted in flight, summed over every ext_proc replica."""
+        return sum(self.metric_per_replica("modeldock_in_flight"))
 
     def envoy_stat(self, name: str) -> int:
         text = urllib.request.urlopen(f"{self.admin_url}/stats?filter=^{name}$", timeout=2).read().decode()  # noqa: S310
@@ -152,7 +162,15 @@ def running_stack(
     sim_args: Sequence[str] = ("--speed", "20"),
     config: dict[str, Any] | None = None,
     edit_config: Any = None,
+    xds_args: Sequence[str] = (),
+    extproc_replicas: int = 1,
+    extproc_env: Mapping[str, str] | None = None,
 ) -> Iterator[Stack]:
+    """`xds_args` are appended to the `modeldock xds` command line (e.g. `--kubeconfig PATH`).
+
+    `extproc_replicas` ext_proc processes run behind the one Envoy (replica 0 logs to extproc.log,
+    replica i to extproc-i.log); `extproc_env` is added to their environment (e.g. REDIS_URL).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(run_dir)
     try:
@@ -163,31 +181,67 @@ def running_stack(
         config_path = run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         parsed = parse_config(data)
-        xds_port, extproc_port, admin_port, port = free_port(), free_port(), free_port(), free_port()
-        xm, em = free_port(), free_port()
-        sup.start("xds", [*PY, "--log-level", "debug", "xds", "--config", str(config_path), "--port", str(xds_port),
-                          "--metrics-port", str(xm)])
-        sup.start("extproc", [*PY, "--log-level", "debug", "extproc", "--config", str(config_path),
-                              "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
-                              "--metrics-port", str(em), "--grace", "2"])
+        xds_port, admin_port, port = free_port(), free_port(), free_port()
+        xm = free_port()
+        extproc_ports = [free_port() for _ in range(max(1, extproc_replicas))]
+        metrics_ports = [free_port() for _ in extproc_ports]
+        sup.start("xds", [*PY, "--log-level", log_level, "xds", "--config", str(config_path), "--port", str(xds_port),
+                          "--metrics-port", str(xm), *xds_args])
+        for i, (extproc_port, em) in enumerate(zip(extproc_ports, metrics_ports, strict=True)):
+            _start(sup, "extproc" if i == 0 else f"extproc-{i}",
+                   [*PY, "--log-level", "debug", "extproc", "--config", str(config_path),
+                    "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
+                    "--metrics-port", str(em), "--grace", "2"], extproc_env)
         bootstrap = run_dir / "envoy.yaml"
         bootstrap.write_text(render_bootstrap(BootstrapOptions(
-            listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_port,
+            listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
+            extproc_endpoints=tuple(f"127.0.0.1:{p}" for p in extproc_ports) if len(extproc_ports) > 1 else (),
             buffer_limit=parsed.limits.max_body_bytes + 1024 * 1024)))
         sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id", "--log-level", "warn",
                             "--drain-time-s", "1"])
-        stack = Stack(run_dir, sup, port, admin_port, em, xm, config_path, sims)
+        stack = Stack(run_dir, sup, port, admin_port, metrics_ports[0], xm, config_path, sims,
+                      extproc_metrics_ports=metrics_ports, extproc_ports=extproc_ports)
         wait_until(lambda: _ready(stack, parsed), 30, what="Envoy clusters ready")
         yield stack
     finally:
         sup.stop_all(timeout=5)
 
 
+def _start(sup: Supervisor, name: str, cmd: list[str], env: Mapping[str, str] | None) -> Child:
+    """`Supervisor.start` with extra environment variables."""
+    if not env:
+        return sup.start(name, cmd)
+    log = sup.run_dir / f"{name}.log"
+    with open(log, "ab") as handle:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+        )
+    child = Child(name, proc, log)
+    sup.children.append(child)
+    return child
+
+
 def _ready(stack: Stack, parsed: Any) -> bool:
     dead = stack.sup.exited()
     if dead is not None:
         raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
-    return envoy_ready(stack.admin_url, parsed)
+    return envoy_ready(stack.admin_url, parsed) and all(_extproc_ready(stack, i) for i in range(len(stack.extproc_ports)))
+
+
+def _extproc_ready(stack: Stack, replica: int) -> bool:
+    """The replica accepts gRPC connections and has learned endpoints over ADS (Envoy's readiness
+    says nothing about ext_proc, which may still be importing on a busy machine)."""
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", stack.extproc_ports[replica]), timeout=0.5):
+            pass
+        url = f"http://127.0.0.1:{stack.extproc_metrics_ports[replica]}/metrics"
+        text = urllib.request.urlopen(url, timeout=2).read().decode()  # noqa: S310
+    except OSError:
+        return False
+    return "modeldock_picker_in_flight{" in text
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""Where ext_proc's time goes: gRPC transport vs modeldock's own logic, side by side.
+
+Three measurements in one run, on the same 3-message stream Envoy sends per
+request (request headers, buffered body, response headers):
+  floor      a grpc.aio servicer that answers with constant messages (the transport alone)
+  modeldock  the real ExtProcServicer (auth, parse, admission, pick, count, release)
+  logic      RequestFlow alone, no gRPC (the domain work per request)
+The servers run in a subprocess so their CPU is read from /proc apart from the client's.
+
+    .venv/bin/python benchmarks/extproc_cost.py [--streams 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+from envoy.config.core.v3 import base_pb2  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
+from google.protobuf import struct_pb2  # noqa: E402
+
+from benchmarks._report import table, write_section  # noqa: E402
+from modeldock.admission.limits import Admission  # noqa: E402
+from modeldock.clock import SystemClock  # noqa: E402
+from modeldock.config import hash_key, parse_config  # noqa: E402
+from modeldock.discovery.snapshot import Endpoint  # noqa: E402
+from modeldock.extproc.app import build_picker  # noqa: E402
+from modeldock.extproc.flow import RequestFlow  # noqa: E402
+from modeldock.extproc.gateway import Gateway  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+CONFIG = {"tenants": [{"id": "t", "api_key_hashes": [hash_key("bench-key")], "models": ["m"]}],
+          "models": [{"name": "m", "endpoints": ["127.0.0.1:1", "127.0.0.1:2"]}]}
+
+
+def gateway() -> Gateway:
+    config = parse_config(CONFIG)
+    clock = SystemClock()
+    gw = Gateway(config, clock, build_picker(config.routing, clock, None), Admission(config, clock))
+    gw.on_endpoints("m", (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2)))
+    return gw
+
+
+def messages() -> list[ep.ProcessingRequest]:
+    def headers(*pairs: tuple[str, str]) -> ep.HttpHeaders:
+        return ep.HttpHeaders(headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))
+
+    req = ep.ProcessingRequest(request_headers=headers(
+        (":method", "POST"), (":path", "/v1/chat/completions"), ("authorization", "Bearer bench-key"),
+        ("content-type", "application/json"), ("x-request-id", "0f8fad5b-d9cb-469f-a165-70867728950e")))
+    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}).encode(),
+        end_of_stream=True))
+    resp = ep.ProcessingRequest(response_headers=headers((":status", "200")))
+    attrs = struct_pb2.Struct()
+    attrs.update({"upstream.address": "127.0.0.1:1"})
+    resp.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
+    return [req, body, resp]
+
+
+async def serve(kind: str) -> None:
+    from modeldock.extproc.server import ExtProcServicer
+
+    if kind == "floor":
+        answers = [ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
+                   ep.ProcessingResponse(request_body=ep.BodyResponse()),
+                   ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+
+        class Floor(ep_grpc.ExternalProcessorServicer):
+            async def Process(self, it, ctx):  # type: ignore[no-untyped-def]  # noqa: N802
+                i = 0
+                async for _ in it:
+                    yield answers[min(i, 2)]
+                    i += 1
+
+        servicer: ep_grpc.ExternalProcessorServicer = Floor()
+    else:
+        servicer = ExtProcServicer(gateway())
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+async def drive(port: int, pid: int, streams: int, concurrency: int) -> tuple[float, float, float]:
+    msgs = messages()
+    lat: list[float] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+
+        async def one() -> None:
+            t = time.perf_counter()
+            call = stub.Process()
+            for m in msgs:
+                await call.write(m)
+                await call.read()
+            await call.done_writing()
+            lat.append(time.perf_counter() - t)
+
+        async def worker(n: int) -> None:
+            for _ in range(n):
+                await one()
+
+        await worker(200)
+        lat.clear()
+        before = cpu_seconds(pid)
+        await asyncio.gather(*(worker(streams // concurrency) for _ in range(concurrency)))
+        used = cpu_seconds(pid) - before
+    lat.sort()
+    return lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.99)] * 1000, used / len(lat) * 1000
+
+
+def logic_cost(rounds: int) -> float:
+    gw = gateway()
+    msgs = messages()
+
+    async def run() -> float:
+        start = time.process_time()
+        for _ in range(rounds):
+            flow = RequestFlow(gw)
+            for m in msgs:
+                await flow.handle(m)
+            flow.finish()
+        return (time.process_time() - start) / rounds * 1000
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=3000)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--serve", choices=["floor", "modeldock"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve(args.serve))
+        return
+    procs = {kind: subprocess.Popen([sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True)
+             for kind in ("floor", "modeldock")}
+    try:
+        ports = {kind: int(p.stdout.readline()) for kind, p in procs.items()}  # type: ignore[union-attr]
+        results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+        for _ in range(2):  # interleave so noise hits both alike
+            for c in (1, 16):
+                for kind, p in procs.items():
+                    results.setdefault((kind, c), []).append(asyncio.run(drive(ports[kind], p.pid, args.streams, c)))
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    logic_ms = logic_cost(5000)
+    rows = []
+    for c in (1, 16):
+        f = min(results[("floor", c)], key=lambda r: r[2])
+        m = min(results[("modeldock", c)], key=lambda r: r[2])
+        rows.append([c, f"{f[0]:.2f} / {f[1]:.2f}", f"{m[0]:.2f} / {m[1]:.2f}", f"{f[2]:.3f}", f"{m[2]:.3f}",
+                     f"{(m[2] - f[2]) / m[2] * 100:.0f}%"])
+    body = "\n\n".join([
+        "A grpc.aio client drives 3-message ext_proc streams (request headers, buffered body, response "
+        "headers) as Envoy does. `floor` answers with constant messages; `modeldock` is the real servicer.",
+        table(["concurrency", "floor latency p50 / p99 ms", "modeldock latency p50 / p99 ms",
+               "floor server CPU ms/stream", "modeldock server CPU ms/stream", "share of CPU that is modeldock logic"],
+              rows),
+        f"RequestFlow alone (no gRPC), 3 phases + finish: **{logic_ms * 1000:.0f} µs CPU per request**.",
+        "Reading: the gRPC transport (grpc.aio: about 28 event-loop callbacks and 6 completion-queue operations "
+        "per stream) costs several times modeldock's own logic. Cutting CPU further means fewer messages per "
+        "request (for example, authenticating from `request_attributes` instead of a request-headers round "
+        "trip), not faster Python in the handlers. See docs/performance.md.",
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("extproc-cost", "Where ext_proc's time goes", ".venv/bin/python benchmarks/extproc_cost.py",
+                      body)
+
+
+if __name__ == "__main__":
+    main()

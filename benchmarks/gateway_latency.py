@@ -1,0 +1,224 @@
+"""Added latency of the gateway, side by side in one run.
+
+Three paths to the same simulator, interleaved round by round so machine noise
+hits them alike:
+  direct         client -> simulator
+  envoy          client -> Envoy (static cluster, no ext_proc) -> simulator
+  gateway        client -> Envoy + modeldock ext_proc (+ xDS) -> simulator
+Reports end-to-end p50/p99 of a one-token streamed completion at several
+concurrencies, ext_proc CPU-seconds per 1,000 requests (Envoy's for scale), and
+ext_proc RSS with 1,000 streams open.
+
+    .venv/bin/python benchmarks/gateway_latency.py [--requests 300] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._report import table, write_section  # noqa: E402
+from modeldock.bench import BenchOptions, run_benchmark  # noqa: E402
+from modeldock.bench.metrics import e2e  # noqa: E402
+from modeldock.envoy import envoy_binary  # noqa: E402
+from modeldock.up import Supervisor, free_port  # noqa: E402
+from tests.support.stack import API_KEY, Stack, running_stack, wait_until  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+ENVOY_ONLY = """
+admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
+static_resources:
+  listeners:
+  - address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: plain
+          delayed_close_timeout: 0s
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes: [{{match: {{prefix: "/"}}, route: {{cluster: sim, timeout: 0s}}}}]
+  clusters:
+  - name: sim
+    type: STATIC
+    connect_timeout: 1s
+    circuit_breakers: {{thresholds: [{{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}]}}
+    load_assignment:
+      cluster_name: sim
+      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {sim}}}}}}}}}]}}]
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def pid_of(stack: Stack, name: str) -> int:
+    return next(c.proc.pid for c in stack.sup.children if c.name == name)
+
+
+async def measure(url: str, token: str | None, concurrency: int, requests: int) -> tuple[list[float], int]:
+    result = await run_benchmark(BenchOptions(
+        url=url, model="demo-model", requests=requests, concurrency=(concurrency,), warmup=min(50, requests // 5),
+        prompt_tokens=8, max_tokens=1, token=token, timeout=30))
+    tier = result.tiers[0]
+    return [v for r in tier.records if r.completed and (v := e2e(r)) is not None], tier.error_total
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, -(-len(ordered) * p // 100) - 1)] * 1000 if ordered else float("nan")
+
+
+async def open_streams(url: str, count: int) -> tuple[aiohttp.ClientSession, list[asyncio.Task[None]]]:
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=count + 10))
+    started = asyncio.Event()
+    opened = 0
+
+    async def one() -> None:
+        nonlocal opened
+        async with session.post(f"{url}/completions", json={"model": "demo-model", "prompt": "x", "max_tokens": 8000,
+                                                             "stream": True},
+                                headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+            await resp.content.readline()
+            opened += 1
+            if opened == count:
+                started.set()
+            async for _ in resp.content:
+                pass
+
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    await asyncio.wait_for(started.wait(), 120)
+    return session, tasks
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    tiers = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp, running_stack(
+        Path(tmp) / "stack", backends=1,
+        sim_args=("--speed", "1000", "--max-num-seqs", "2048", "--num-gpu-blocks", "200000"),
+        log_level="info",
+    ) as stack:
+        sim = stack.sims[0]
+        envoy_port, envoy_admin = free_port(), free_port()
+        plain = Path(tmp) / "plain.yaml"
+        plain.write_text(ENVOY_ONLY.format(admin=envoy_admin, port=envoy_port, sim=sim.port))
+        sup = Supervisor(Path(tmp))
+        sup.start("envoy-plain", [envoy_binary(), "-c", str(plain), "--use-dynamic-base-id", "--log-level", "warn"])
+        try:
+            wait_until(lambda: _up(f"http://127.0.0.1:{envoy_admin}/ready"), 20, what="plain Envoy")
+            paths = {
+                "direct": (f"{sim.url}/v1", None),
+                "envoy": (f"http://127.0.0.1:{envoy_port}/v1", None),
+                "gateway": (stack.base_url, API_KEY),
+            }
+            extproc_pid, envoy_pid = pid_of(stack, "extproc"), pid_of(stack, "envoy")
+            samples: dict[tuple[str, int], list[float]] = {}
+            errors: dict[str, int] = {name: 0 for name in paths}
+            cpu = {"extproc": 0.0, "envoy": 0.0}
+            gateway_requests = 0
+            for _ in range(args.rounds):
+                for c in tiers:
+                    for name, (url, token) in paths.items():
+                        if name == "gateway":
+                            before = (cpu_seconds(extproc_pid), cpu_seconds(envoy_pid))
+                        lat, errs = await measure(url, token, c, args.requests)
+                        if name == "gateway":
+                            cpu["extproc"] += cpu_seconds(extproc_pid) - before[0]
+                            cpu["envoy"] += cpu_seconds(envoy_pid) - before[1]
+                            gateway_requests += args.requests + min(50, args.requests // 5)
+                        samples.setdefault((name, c), []).extend(lat)
+                        errors[name] += errs
+            rss_idle = rss_mb(extproc_pid)
+            session, tasks = await open_streams(stack.base_url, args.streams)
+            await asyncio.sleep(1)
+            rss_open = rss_mb(extproc_pid)
+            streams_open = stack.metric("modeldock_extproc_streams")
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await session.close()
+            wait_until(lambda: stack.in_flight() == 0, 30, what="streams released")
+        finally:
+            sup.stop_all()
+
+    rows = []
+    for c in tiers:
+        d, e, g = (samples[(n, c)] for n in ("direct", "envoy", "gateway"))
+        rows.append([
+            c,
+            f"{pct(d, 50):.2f} / {pct(d, 99):.2f}",
+            f"{pct(e, 50):.2f} / {pct(e, 99):.2f}",
+            f"{pct(g, 50):.2f} / {pct(g, 99):.2f}",
+            f"{pct(e, 50) - pct(d, 50):+.2f} / {pct(e, 99) - pct(d, 99):+.2f}",
+            f"{pct(g, 50) - pct(e, 50):+.2f} / {pct(g, 99) - pct(e, 99):+.2f}",
+            f"{pct(g, 50) / pct(e, 50):.2f}x",
+        ])
+    per_k = {k: v / gateway_requests * 1000 for k, v in cpu.items()}
+    body = "\n\n".join([
+        "End-to-end latency of a one-token streamed chat completion, in ms as p50 / p99 (nearest rank), "
+        f"{args.requests} requests per tier per round, {args.rounds} rounds interleaved. The backend is one "
+        "simulator at 1000x speed, so nearly all of the time is the path itself.",
+        table(["concurrency", "direct", "Envoy alone", "Envoy + ext_proc", "Envoy − direct", "ext_proc − Envoy",
+               "gateway ÷ Envoy (p50)"], rows),
+        table(["measure", "value"], [
+            ["ext_proc CPU-seconds per 1,000 requests", f"{per_k['extproc']:.3f}"],
+            ["Envoy CPU-seconds per 1,000 requests (same run, for scale)", f"{per_k['envoy']:.3f}"],
+            ["ext_proc ÷ Envoy CPU", f"{per_k['extproc'] / per_k['envoy']:.2f}x"],
+            [f"ext_proc RSS idle → with {int(streams_open)} streams open", f"{rss_idle:.0f} MB → {rss_open:.0f} MB"],
+            ["errors (direct / Envoy / gateway)", f"{errors['direct']} / {errors['envoy']} / {errors['gateway']}"],
+        ]),
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("gateway-latency", "Gateway added latency, ext_proc CPU and memory",
+                      ".venv/bin/python benchmarks/gateway_latency.py", body)
+
+
+def _up(url: str) -> bool:
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(url, timeout=0.5).status == 200  # noqa: S310
+    except OSError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=300, help="measured requests per tier per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--streams", type=int, default=1000, help="streams held open for the RSS figure")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/benchmarks.md")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
