@@ -142,7 +142,19 @@ def test_busy_endpoint_gets_no_new_requests(stack: Stack) -> None:
     for t in threads:
         t.start()
     wait_until(lambda: a.stats()["waiting"] >= 6, 5, what="a queue on the busy endpoint")
-    time.sleep(1.2)  # let the scraper see it
+
+    def scores() -> dict[str, float]:
+        text = urllib.request.urlopen(  # noqa: S310
+            f"http://127.0.0.1:{stack.extproc_metrics_port}/metrics", timeout=2).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("modeldock_picker_score{"):
+                out[line.split('endpoint="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    # The scraper has seen the queue once ext_proc scores `a` worse than both others.
+    wait_until(lambda: (s := scores()).get(a.address, 0) > max(s.get(b.address, 1), s.get(c.address, 1)),
+               5, what="the picker to see the queue")
     before = received(stack)
     client = stack.openai()
     for _ in range(8):
