@@ -166,6 +166,38 @@ def test_busy_endpoint_gets_no_new_requests(stack: Stack) -> None:
         t.join(30)
 
 
+def picker_metric(stack: Stack, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(  # noqa: S310
+        f"http://127.0.0.1:{stack.extproc_metrics_port}/metrics", timeout=2).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            out[line.split('endpoint="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_stale_metrics_fall_back_to_local_counts_with_a_penalty(stack: Stack) -> None:
+    a, b, c = stack.sims
+    child = next(ch for ch in stack.sup.children if ch.name == f"sim-{a.port}")
+    os.kill(child.proc.pid, signal.SIGSTOP)  # its /metrics stops answering; its sample ages
+    try:
+        wait_until(lambda: picker_metric(stack, "modeldock_picker_sample_age_seconds").get(a.address, 0) > 2.5,
+                   10, what="the sample of the frozen endpoint to go stale")
+        scores = picker_metric(stack, "modeldock_picker_score")
+        # Stale: scored from local in-flight plus the penalty, never as "idle".
+        assert scores[a.address] >= 0.5 > max(scores[b.address], scores[c.address])
+        before = received(stack)[1:]
+        client = stack.openai(timeout=10)
+        for _ in range(6):
+            client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1)
+        after = received(stack)[1:]
+        assert sum(after) - sum(before) == 6, "a request was sent to the endpoint with stale metrics"
+    finally:
+        os.kill(child.proc.pid, signal.SIGCONT)
+    wait_until(lambda: picker_metric(stack, "modeldock_picker_sample_age_seconds").get(a.address, 9) < 1.5,
+               10, what="fresh samples again")
+
+
 def test_long_stream_outlives_the_default_route_timeout(stack: Stack) -> None:
     # Envoy's default route timeout (15 s) would cut this stream; modeldock sets timeout 0s.
     started = time.perf_counter()
