@@ -50,11 +50,16 @@ class ExtProcMetrics:
         )
         self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
         self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
+        self.retries = Counter("modeldock_retries_seen",
+                               "Requests Envoy served from a fallback endpoint after a failure before the first byte",
+                               registry=registry)
 
     def finished(self, flow: RequestFlow, seconds: float) -> None:
         self.requests.labels(flow.outcome, str(flow.status)).inc()
         if flow.outcome == "proxied":
             self.duration.observe(seconds)
+            if flow.retried:
+                self.retries.inc()
 
 
 def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegistry | None) -> Picker:
@@ -72,9 +77,18 @@ def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegist
     )
 
 
+def with_env_redis(config: Config) -> Config:
+    """Use $REDIS_URL for the shared rate-limit windows when the config sets no `limits.redis_url`."""
+    url = os.environ.get("REDIS_URL")
+    if not url or config.limits.redis_url is not None:
+        return config
+    return config.model_copy(update={"limits": config.limits.model_copy(update={"redis_url": url})})
+
+
 class ExtProcServer:
     def __init__(self, config: Config, options: ExtProcOptions, clock: Clock | None = None,
                  registry: CollectorRegistry | None = None) -> None:
+        config = with_env_redis(config)
         self.clock = clock or SystemClock()
         self.options = options
         self.registry = registry or CollectorRegistry()
@@ -129,7 +143,7 @@ class ExtProcServer:
                 continue
             seen = now
             try:
-                config = load_config(path)
+                config = with_env_redis(load_config(path))
             except ConfigError as exc:
                 log.error("config reload failed; keeping the last good config\n%s", exc)
                 continue

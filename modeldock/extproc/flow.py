@@ -56,6 +56,8 @@ class RequestFlow:
         self.model: str | None = None
         self.lease: Lease | None = None
         self.ticket: Ticket | None = None
+        self.primary = ""
+        self.served_by = ""  # the endpoint Envoy reports, after any retries
         self.outcome = "incomplete"
         self.status = 0
 
@@ -121,6 +123,7 @@ class RequestFlow:
         # No await from here on: pick and count happen in one step.
         pick = self._gateway.pick(model)
         self.lease = pick.lease
+        self.primary = pick.primary.address
         self._phase = Phase.UPSTREAM
         set_headers[DESTINATION_HEADER] = pick.header_value
         set_headers[CLUSTER_HEADER] = cluster_name(model)
@@ -139,10 +142,16 @@ class RequestFlow:
         if attrs is not None and self.lease is not None:
             served = attrs.fields.get(UPSTREAM_ADDRESS)
             if served is not None and served.string_value:
+                self.served_by = served.string_value
                 self.lease.move_to(served.string_value)
         if self.ticket is not None and self.ticket.headers:
             return responses.continue_response_headers(responses.header_mutation(self.ticket.headers))
         return responses.continue_response_headers()
+
+    @property
+    def retried(self) -> bool:
+        """Envoy moved the request off the primary before the first byte."""
+        return bool(self.served_by) and self.served_by != self.primary
 
     def finish(self) -> None:
         """The HTTP stream ended (completed, failed or cancelled). Idempotent."""

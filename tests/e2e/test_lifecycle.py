@@ -62,6 +62,7 @@ def test_failure_before_headers_moves_to_another_endpoint(stack: Stack, mode: st
     assert after[2] - before[2] == 6, "every request ended on the healthy endpoint"
     assert after[0] - before[0] + after[1] - before[1] > 0, "the failing endpoints were tried"
     assert retries(stack) > before_retries
+    assert stack.metric("modeldock_retries_seen_total") > 0  # ext_proc saw it through upstream.address
 
 
 def test_backend_dying_mid_stream_is_not_retried_or_spliced(stack: Stack) -> None:
