@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from modeldock.xds.cache import Resource, ResourceCache, type_version
+from modeldock.xds.cache import ResourceCache
 from modeldock.xds.resources import CLUSTER_TYPE, LISTENER_TYPE
 
 log = logging.getLogger("modeldock.xds")
@@ -125,22 +125,18 @@ class SotwStream:
             out.extend(self._maybe_send(type_url, state, False))
         return out
 
-    def _selected(self, type_url: str, state: _TypeState) -> dict[str, Resource]:
-        available = self._cache.current.of(type_url)
-        if state.wildcard:
-            return dict(available)
-        return {name: available[name] for name in state.names if name in available}
-
     def _maybe_send(self, type_url: str, state: _TypeState, force: bool) -> list[discovery_pb2.DiscoveryResponse]:
         if state.pending is not None:
             return []  # wait for the ACK; on_request re-evaluates then
-        selected = self._selected(type_url, state)
-        version = type_version(selected)
+        # Memoized per ResourceSet: every stream with this subscription shares it.
+        selected, version = self._cache.current.select(type_url, None if state.wildcard else state.names)
         if version == state.rejected_version:
             return []
+        if not force and version == state.acked_version:
+            # The client ACKed exactly this selection (the version hashes every name and
+            # resource version), so nothing differs: skip the per-resource comparison.
+            return []
         if type_url in WILDCARD_TYPES:
-            if not force and version == state.acked_version:
-                return []
             to_send = selected
         else:
             to_send = {n: r for n, r in selected.items() if state.acked.get(n) != r.version}

@@ -1,21 +1,38 @@
-"""grpc.aio glue for ADS: one SotwStream per connection, fed by requests and cache changes."""
+"""grpc.aio glue for ADS: one stream state machine per connection, fed by requests and cache changes.
+
+State of the world (`SotwStream`) and delta (`DeltaStream`) share the same loop:
+one reader task puts requests on a queue, the cache listener puts change marks
+on it, and the handler answers them in order, so the state machine never runs
+concurrently with itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from modeldock.xds.cache import ResourceCache
+from modeldock.xds.delta import DeltaStream
 from modeldock.xds.protocol import SotwStream, StreamEvents
 
 log = logging.getLogger("modeldock.xds")
 
 _CHANGED = object()
 _END = object()
+
+
+class _Stream(Protocol):
+    peer: str
+    node_id: str
+
+    def on_request(self, request: Any) -> list[Any]: ...
+
+    def on_change(self) -> list[Any]: ...
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -30,6 +47,19 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         stream = SotwStream(self._cache, peer=context.peer(), events=self._events)
+        async for response in self._serve(stream, request_iterator, "ADS"):
+            yield response
+
+    async def DeltaAggregatedResources(  # noqa: N802 (gRPC name)
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
+        stream = DeltaStream(self._cache, peer=context.peer(), events=self._events)
+        async for response in self._serve(stream, request_iterator, "delta ADS"):
+            yield response
+
+    async def _serve(self, stream: _Stream, request_iterator: AsyncIterator[Any], kind: str) -> AsyncIterator[Any]:
         queue: asyncio.Queue[object] = asyncio.Queue()
 
         def changed() -> None:
@@ -59,7 +89,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                         queue.get_nowait()
                     responses = stream.on_change()
                 else:
-                    responses = stream.on_request(item)  # type: ignore[arg-type]
+                    responses = stream.on_request(item)
                 for response in responses:
                     yield response
         finally:
@@ -67,7 +97,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             self._events_connected(-1)
             self._cache.remove_listener(changed)
             reader.cancel()
-            log.info("ADS stream from %s closed", stream.node_id or stream.peer)
+            log.info("%s stream from %s closed", kind, stream.node_id or stream.peer)
 
     def _events_connected(self, delta: int) -> None:
         hook = getattr(self._events, "connected", None)
