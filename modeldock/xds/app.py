@@ -13,7 +13,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from modeldock.clock import Clock, SystemClock
-from modeldock.config import Config
+from modeldock.config import Config, ModelConfig
 from modeldock.discovery.snapshot import SnapshotStore
 from modeldock.discovery.static import StaticDiscovery
 from modeldock.xds.builder import ResourceBuilder
@@ -68,7 +68,8 @@ class XdsServer:
         self.metrics = XdsMetrics(self.registry)
         self.store = SnapshotStore(self.clock)
         self.cache = ResourceCache()
-        self.builder = ResourceBuilder(config.models, config.discovery.stale_after_seconds)
+        self.builder = ResourceBuilder(config.models, config.discovery.stale_after_seconds,
+                                       started_at=self.clock.monotonic())
         self.servicer = AdsServicer(self.cache, self.metrics)
         self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
@@ -84,14 +85,14 @@ class XdsServer:
         if stale != self._stale:
             for model in stale - self._stale:
                 log.error("model %s: discovery has not confirmed endpoints for %.1fs; dispatch stopped",
-                          model, snapshot.age(model, now))
+                          model, self.builder.age(snapshot, model, now))
             for model in self._stale - stale:
                 log.info("model %s: discovery confirmed again; dispatch resumed", model)
             self._stale = stale
         if self.cache.set(resources):
             log.debug("resources now at EDS version %s", resources.versions.get(ENDPOINT_TYPE))
         for model in self.config.models:
-            self.metrics.age.labels(model.name).set(min(snapshot.age(model.name, now), 1e9))
+            self.metrics.age.labels(model.name).set(self.builder.age(snapshot, model.name, now))
             self.metrics.endpoints.labels(model.name).set(0 if model.name in stale else len(snapshot.endpoints(model.name)))
             self.metrics.stale.labels(model.name).set(1 if model.name in stale else 0)
 
@@ -108,6 +109,7 @@ class XdsServer:
             kube = KubernetesDiscovery(kube_models, self.store, load_api_client(self.options.kubeconfig),
                                        watch_timeout_seconds=max(1, int(stale_after / 3)))
             self._tasks.append(asyncio.create_task(kube.run(), name="kubernetes-discovery"))
+        await self._initial_sync(kube_models)
         self.rebuild()
         self.store.subscribe(lambda _snapshot: self._schedule_rebuild())
         self._tasks.append(asyncio.create_task(self._tick(), name="staleness"))
@@ -116,6 +118,16 @@ class XdsServer:
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
         log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
+
+    async def _initial_sync(self, models: list[ModelConfig], timeout: float = 5.0) -> None:
+        """Have the full state before answering: wait (bounded) for discovery's first list."""
+        deadline = self.clock.monotonic() + min(timeout, self.config.discovery.stale_after_seconds)
+        while any(m.name not in self.store.current.models for m in models):
+            if self.clock.monotonic() > deadline:
+                missing = [m.name for m in models if m.name not in self.store.current.models]
+                log.warning("serving before discovery listed models %s", ", ".join(missing))
+                return
+            await asyncio.sleep(0.02)
 
     def _schedule_rebuild(self) -> None:
         # Sources confirm often; coalesce a burst of store changes into one rebuild.

@@ -23,15 +23,23 @@ from modeldock.xds.resources import (
 
 
 class ResourceBuilder:
-    def __init__(self, models: list[ModelConfig], stale_after: float) -> None:
+    def __init__(self, models: list[ModelConfig], stale_after: float, started_at: float | None = None) -> None:
         self._models = list(models)
         self._stale_after = stale_after
+        # A model discovery has not reported yet is as old as the server, not infinitely old:
+        # it gets the same cutoff to sync before it counts as stale.
+        self._started_at = started_at
         self._clusters = {cluster_name(m.name): pack(cluster_name(m.name), build_cluster(m)) for m in models}
         # Rebuilding 10k endpoints on every change is wasteful; most models do not change.
         self._assignments: dict[str, tuple[tuple[Endpoint, ...], Resource]] = {}
 
+    def age(self, snapshot: Snapshot, model: str, now: float) -> float:
+        if model not in snapshot.models and self._started_at is not None:
+            return max(0.0, now - self._started_at)
+        return snapshot.age(model, now)
+
     def stale_models(self, snapshot: Snapshot, now: float) -> frozenset[str]:
-        return frozenset(m.name for m in self._models if snapshot.age(m.name, now) > self._stale_after)
+        return frozenset(m.name for m in self._models if self.age(snapshot, m.name, now) > self._stale_after)
 
     def build(self, snapshot: Snapshot, now: float) -> ResourceSet:
         stale = self.stale_models(snapshot, now)
