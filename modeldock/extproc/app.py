@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from dataclasses import dataclass
 
 import grpc
@@ -22,6 +21,7 @@ from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.config import RoutingConfig
 from modeldock.picking import Picker
+from modeldock.process import run_until_signalled
 from modeldock.picking.saturation import Saturation
 from modeldock.picking.scrape import Scraper
 from modeldock.xds.client import AdsClient
@@ -166,15 +166,10 @@ class ExtProcServer:
 
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:
     server = ExtProcServer(config, options)
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr=options.host, registry=server.registry)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("ext_proc draining (up to %.0fs)", grace)
-    await server.stop(grace)
+    async def stop() -> None:
+        log.info("ext_proc draining (up to %.0fs)", grace)
+        await server.stop(grace)
+
+    await run_until_signalled(server.start, stop, registry=server.registry, host=options.host,
+                              metrics_port=metrics_port)

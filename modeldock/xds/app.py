@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ModelConfig
 from modeldock.discovery.snapshot import SnapshotStore
 from modeldock.discovery.static import StaticDiscovery
+from modeldock.process import run_until_signalled
 from modeldock.xds.builder import ResourceBuilder
 from modeldock.xds.cache import ResourceCache
 from modeldock.xds.protocol import StreamEvents
@@ -154,15 +154,10 @@ class XdsServer:
 
 async def serve(config: Config, options: XdsOptions, metrics_port: int | None) -> None:
     server = XdsServer(config, options)
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr=options.host, registry=server.registry)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("xDS server shutting down")
-    await server.stop()
+    async def stop() -> None:
+        log.info("xDS server shutting down")
+        await server.stop()
+
+    await run_until_signalled(server.start, stop, registry=server.registry, host=options.host,
+                              metrics_port=metrics_port)

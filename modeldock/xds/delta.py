@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from envoy.service.discovery.v3 import discovery_pb2
 
 from modeldock.xds.cache import ResourceCache
-from modeldock.xds.protocol import WILDCARD_TYPES, StreamEvents
+from modeldock.xds.protocol import WILDCARD_TYPES, StreamBase, StreamEvents
 
 log = logging.getLogger("modeldock.xds")
 
@@ -62,30 +62,13 @@ class _TypeState:
         return self.wildcard or name in self.names
 
 
-class DeltaStream:
-    def __init__(
-        self,
-        cache: ResourceCache,
-        *,
-        peer: str = "",
-        events: StreamEvents | None = None,
-        nonce_factory: Callable[[], str] | None = None,
-    ) -> None:
-        self._cache = cache
-        self.peer = peer
-        self.node_id = ""
-        self._events = events or StreamEvents()
+class DeltaStream(StreamBase):
+    def __init__(self, cache: ResourceCache, **kwargs: object) -> None:
+        super().__init__(cache, **kwargs)  # type: ignore[arg-type]
         self._types: dict[str, _TypeState] = {}
-        self._counter = 0
-        self._nonce_factory = nonce_factory or self._next_nonce
-
-    def _next_nonce(self) -> str:
-        self._counter += 1
-        return str(self._counter)
 
     def on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> list[discovery_pb2.DeltaDiscoveryResponse]:
-        if request.HasField("node") and request.node.id:
-            self.node_id = request.node.id
+        self._note_node(request)
         type_url = request.type_url
         if not type_url:
             return []

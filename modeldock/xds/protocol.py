@@ -57,7 +57,9 @@ class StreamEvents:
     def nacked(self, type_url: str, version: str, detail: str) -> None: ...
 
 
-class SotwStream:
+class StreamBase:
+    """What every ADS stream state machine shares: the cache, the peer, nonces."""
+
     def __init__(
         self,
         cache: ResourceCache,
@@ -70,7 +72,6 @@ class SotwStream:
         self.peer = peer
         self.node_id = ""
         self._events = events or StreamEvents()
-        self._types: dict[str, _TypeState] = {}
         self._counter = 0
         self._nonce_factory = nonce_factory or self._next_nonce
 
@@ -78,9 +79,18 @@ class SotwStream:
         self._counter += 1
         return str(self._counter)
 
-    def on_request(self, request: discovery_pb2.DiscoveryRequest) -> list[discovery_pb2.DiscoveryResponse]:
+    def _note_node(self, request: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest) -> None:
         if request.HasField("node") and request.node.id:
             self.node_id = request.node.id
+
+
+class SotwStream(StreamBase):
+    def __init__(self, cache: ResourceCache, **kwargs: object) -> None:
+        super().__init__(cache, **kwargs)  # type: ignore[arg-type]
+        self._types: dict[str, _TypeState] = {}
+
+    def on_request(self, request: discovery_pb2.DiscoveryRequest) -> list[discovery_pb2.DiscoveryResponse]:
+        self._note_node(request)
         type_url = request.type_url
         if not type_url:
             return []
