@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp

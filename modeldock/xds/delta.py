@@ -24,13 +24,13 @@ Rules (xDS incremental protocol, as Envoy 1.40 behaves):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
 from modeldock.xds.cache import ResourceCache
-from modeldock.xds.protocol import WILDCARD_TYPES, StreamBase, StreamEvents
+from modeldock.xds.protocol import WILDCARD_TYPES, StreamBase
 
 log = logging.getLogger("modeldock.xds")
 

@@ -11,10 +11,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-import openai
 import pytest
 
-from tests.support.stack import API_KEY, Stack, running_stack, wait_until
+from tests.support.stack import Stack, running_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 MSG = [{"role": "user", "content": "hello"}]
