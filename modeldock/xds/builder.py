@@ -45,6 +45,10 @@ class ResourceBuilder:
         stale = self.stale_models(snapshot, now)
         assignments: dict[str, Resource] = {}
         for model in self._models:
+            if model.name not in stale and model.name not in snapshot.models:
+                # Never listed yet (e.g. just restarted while the API server is down): send
+                # nothing, so Envoy and ext_proc keep what they had until the cutoff says stale.
+                continue
             endpoints = () if model.name in stale else snapshot.endpoints(model.name)
             cached = self._assignments.get(model.name)
             if cached is None or cached[0] != endpoints:

@@ -420,11 +420,6 @@ def test_expired_resource_version_relists_and_converges(tmp_path: Path, kube: Fa
         assert xds_metric(stack, "modeldock_xds_stale") == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (modeldock/xds/app.py + builder.py): once its bounded first-list wait (5 s) is over, a new xDS "
-    "server serves a model it has never listed as fresh with NO endpoints: Envoy drops every host and "
-    "ext_proc answers 503 no_ready_endpoints, although the endpoints Envoy and ext_proc held were confirmed "
-    "a moment before the restart and the staleness cutoff is far off"))
 def test_xds_restart_while_api_server_is_down_keeps_last_endpoints(tmp_path: Path, kube: FakeKubeServer) -> None:
     # Expected: until the cutoff, the endpoints Envoy and ext_proc hold stay in use (the new server
     # does not answer for that model yet); after it, 503 endpoint_snapshot_stale, as for a running server.

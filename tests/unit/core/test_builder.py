@@ -16,8 +16,11 @@ def test_unreported_model_gets_the_cutoff_to_sync_from_server_start() -> None:
     clock.advance(10)
     assert builder.stale_models(store.current, clock.monotonic()) == frozenset()
     assert builder.age(store.current, "k", clock.monotonic()) == 10
+    # Not listed and not stale: no assignment at all, so clients keep what they had.
+    assert "model:k" not in builder.build(store.current, clock.monotonic()).of(ENDPOINT_TYPE)
     clock.advance(6)
     assert builder.stale_models(store.current, clock.monotonic()) == {"k"}
+    assert "model:k" in builder.build(store.current, clock.monotonic()).of(ENDPOINT_TYPE)
     store.update("k", [Endpoint("10.0.0.1", 80)])
     assert builder.stale_models(store.current, clock.monotonic()) == frozenset()
     resources = builder.build(store.current, clock.monotonic())
