@@ -149,6 +149,8 @@ class XdsServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
+            # Streams never end on their own: end them, so stop() need not wait out the grace.
+            self.servicer.close_streams()
             await self._server.stop(grace)
 
 

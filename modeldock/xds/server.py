@@ -40,6 +40,12 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self._cache = cache
         self._events = events or StreamEvents()
         self.streams = 0
+        self._queues: set[asyncio.Queue[object]] = set()
+
+    def close_streams(self) -> None:
+        """End every open stream cleanly (on shutdown); clients reconnect elsewhere or later."""
+        for queue in self._queues:
+            queue.put_nowait(_END)
 
     async def StreamAggregatedResources(  # noqa: N802 (gRPC name)
         self,
@@ -75,6 +81,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 queue.put_nowait(_END)
 
         self._cache.add_listener(changed)
+        self._queues.add(queue)
         reader = asyncio.create_task(read())
         self.streams += 1
         self._events_connected(+1)
@@ -96,6 +103,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             self.streams -= 1
             self._events_connected(-1)
             self._cache.remove_listener(changed)
+            self._queues.discard(queue)
             reader.cancel()
             log.info("%s stream from %s closed", kind, stream.node_id or stream.peer)
 
