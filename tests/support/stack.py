@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -165,6 +166,7 @@ def running_stack(
     xds_args: Sequence[str] = (),
     extproc_replicas: int = 1,
     extproc_env: Mapping[str, str] | None = None,
+    log_level: str = "debug",
 ) -> Iterator[Stack]:
     """`xds_args` are appended to the `modeldock xds` command line (e.g. `--kubeconfig PATH`).
 
@@ -189,7 +191,7 @@ def running_stack(
                           "--metrics-port", str(xm), *xds_args])
         for i, (extproc_port, em) in enumerate(zip(extproc_ports, metrics_ports, strict=True)):
             _start(sup, "extproc" if i == 0 else f"extproc-{i}",
-                   [*PY, "--log-level", "debug", "extproc", "--config", str(config_path),
+                   [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
                     "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
                     "--metrics-port", str(em), "--grace", "2"], extproc_env)
         bootstrap = run_dir / "envoy.yaml"
@@ -232,8 +234,6 @@ def _ready(stack: Stack, parsed: Any) -> bool:
 def _extproc_ready(stack: Stack, replica: int) -> bool:
     """The replica accepts gRPC connections and has learned endpoints over ADS (Envoy's readiness
     says nothing about ext_proc, which may still be importing on a busy machine)."""
-    import socket
-
     try:
         with socket.create_connection(("127.0.0.1", stack.extproc_ports[replica]), timeout=0.5):
             pass
