@@ -16,10 +16,10 @@ from enum import Enum
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from modeldock.config import TenantConfig
-from modeldock.errors import BadRequest, NotFound, Rejection
+from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection
 from modeldock.extproc import responses
 from modeldock.extproc.gateway import Gateway
-from modeldock.extproc.request import RequestHead, bearer_key, check_length, parse_body, read_head
+from modeldock.extproc.request import RequestHead, ascii_int, bearer_key, check_length, parse_body, read_head
 from modeldock.admission.limits import Ticket
 from modeldock.picking import Lease
 from modeldock.xds.resources import CLUSTER_HEADER, DESTINATION_HEADER, cluster_name
@@ -47,6 +47,13 @@ def _headers(header_map: ep.HttpHeaders) -> list[tuple[str, str]]:
     ]
 
 
+def _status(headers: ep.HttpHeaders) -> int:
+    for key, value in _headers(headers):
+        if key == ":status":
+            return ascii_int(value) or 0
+    return 0
+
+
 class RequestFlow:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
@@ -70,6 +77,8 @@ class RequestFlow:
                 return await self._on_request_body(request.request_body)
             if kind == "response_headers" and self._phase is Phase.UPSTREAM:
                 return self._on_response_headers(request)
+            if kind == "response_headers" and self._phase is Phase.BODY:
+                return self._on_local_reply(request.response_headers)
             if self._phase in (Phase.HEADERS, Phase.BODY):
                 # Nothing may reach an upstream before authentication and picking.
                 raise BadRequest("Request arrived out of order.", code="invalid_request")
@@ -134,10 +143,7 @@ class RequestFlow:
     def _on_response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         self._phase = Phase.DONE
         self.outcome = "proxied"
-        for key, value in _headers(request.response_headers):
-            if key == ":status":
-                self.status = int(value) if value.isdigit() else 0
-                break
+        self.status = _status(request.response_headers)
         attrs = request.attributes.get("envoy.filters.http.ext_proc")
         if attrs is not None and self.lease is not None:
             served = attrs.fields.get(UPSTREAM_ADDRESS)
@@ -146,6 +152,15 @@ class RequestFlow:
                 self.lease.move_to(served.string_value)
         if self.ticket is not None and self.ticket.headers:
             return responses.continue_response_headers(responses.header_mutation(self.ticket.headers))
+        return responses.continue_response_headers()
+
+    def _on_local_reply(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+        """Envoy answered by itself before the body reached us: its buffer overflowed (413)."""
+        self._phase = Phase.DONE
+        self.outcome, self.status = "rejected", _status(headers)
+        if self.status == 413:
+            limit = self._gateway.max_body_bytes
+            return responses.rejection_response(PayloadTooLarge(f"Request body is over the limit of {limit} bytes."))
         return responses.continue_response_headers()
 
     @property

@@ -10,7 +10,19 @@ from dataclasses import dataclass
 from modeldock.errors import BadRequest, PayloadTooLarge, Unauthorized
 
 # Model names: printable, no control characters, bounded length.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_HUGE = 1 << 62  # stands for any length with too many digits to convert
+
+
+def ascii_int(value: str) -> int | None:
+    """A header's decimal number; None unless it is plain ASCII digits."""
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return int(value) if len(value) <= 4000 else _HUGE
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,7 @@ def read_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
         elif key == "authorization":
             authorization.append(value)
         elif key == "content-length":
-            content_length = int(value) if value.isdigit() else None
+            content_length = ascii_int(value)
         elif key == "x-request-id":
             request_id = value
     return RequestHead(method, path, tuple(authorization), content_length, request_id)
@@ -69,8 +81,9 @@ def parse_body(body: bytes) -> dict[str, object]:
     if not text.strip():
         raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        # ValueError also covers integers past Python's digit limit and NaN/Infinity.
+        data = json.loads(text, parse_constant=_no_constants)
+    except (ValueError, RecursionError):
         raise BadRequest("Request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest("Request body must be a JSON object.", code="invalid_body")

@@ -555,12 +555,6 @@ def _big(n: int) -> bytes:
 AUTH = ("Authorization", f"Bearer {API_KEY}")
 CT = ("content-type", "application/json")
 OK_BODY = json.dumps(chat()).encode()
-BIGINT_BUG = ("modeldock/extproc/request.py parse_body: json.loads raises ValueError (not JSONDecodeError) for an "
-              "integer over 4300 digits; it escapes as a non-Rejection, the ext_proc stream fails, Envoy answers "
-              "503 with an empty body")
-LOCAL_REPLY_BUG = ("modeldock/extproc/flow.py handle: a chunked body over Envoy's buffer limit makes Envoy send its own "
-                   "413 local reply through ext_proc as response_headers while the flow is in the BODY phase; the flow "
-                   "answers 400 'Request arrived out of order.' instead of a 413 request_too_large")
 
 # name -> (how to send, status, expected error code(s))
 BAD_INPUTS: list[Any] = [
@@ -570,14 +564,12 @@ BAD_INPUTS: list[Any] = [
                  "request_too_large", id="too-large-chunked"),
     pytest.param("chunked_over_envoy_buffer",
                  lambda s: chunked_request(s, _big(MAX_BODY + 2 * 1024 * 1024), [AUTH, CT]), 413,
-                 "request_too_large", id="too-large-chunked-beyond-envoy-buffer",
-                 marks=pytest.mark.xfail(strict=True, reason=LOCAL_REPLY_BUG)),
+                 "request_too_large", id="too-large-chunked-beyond-envoy-buffer"),
     pytest.param("not_json", lambda s: post(s, API_KEY, b"{model: demo-model"), 400, "invalid_json", id="not-json"),
     pytest.param("deep_json", lambda s: post(s, API_KEY, b"[" * 30000 + b"]" * 30000), 400, "invalid_json",
                  id="json-nested-30000-deep"),
     pytest.param("bigint", lambda s: post(s, API_KEY, b'{"model":"demo-model","n":' + b"9" * 5000 + b"}"), 400,
-                 ("invalid_json", "invalid_body"), id="json-5000-digit-integer",
-                 marks=pytest.mark.xfail(strict=True, reason=BIGINT_BUG)),
+                 ("invalid_json", "invalid_body"), id="json-5000-digit-integer"),
     pytest.param("array", lambda s: post(s, API_KEY, b'[{"model":"demo-model"}]'), 400, "invalid_body",
                  id="json-array"),
     pytest.param("string", lambda s: post(s, API_KEY, b'"demo-model"'), 400, "invalid_body", id="json-string"),

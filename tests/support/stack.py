@@ -6,6 +6,11 @@ stops them all and the fixtures call it in a finalizer.
 
 from __future__ import annotations
 
+import os
+
+# Set before anything imports grpc: see tests/conftest.py.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 import json
 import os
 import socket
