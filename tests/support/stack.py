@@ -11,8 +11,7 @@ import os
 # Set before anything imports grpc: see tests/conftest.py.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
-import json
-import os
+import json  # noqa: E402
 import socket
 import subprocess
 import sys
