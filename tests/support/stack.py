@@ -154,8 +154,14 @@ def start_sims(sup: Supervisor, count: int, sim_args: Sequence[str] = (), model:
         port = free_port()
         sup.start(f"sim-{port}", [*PY, "sim", "--port", str(port), "--model", model, *sim_args])
         sims.append(Sim(port, f"sim-{i}"))
+    def healthy(sim: Sim) -> bool:
+        dead = sup.exited()
+        if dead is not None:
+            raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
+        return sim.healthy()
+
     for sim in sims:
-        wait_until(sim.healthy, 20, what=f"simulator on {sim.port}")
+        wait_until(lambda: healthy(sim), 20, what=f"simulator on {sim.port}")
     return sims
 
 
