@@ -52,7 +52,7 @@ class AdsClient:
         self._on_status = on_status
         self._retry_max = retry_max
         self._down_since: float | None = clock.monotonic()
-        self.synced = asyncio.Event()  # set once both types have arrived on a stream
+        self.synced = asyncio.Event()  # set once the server's status has arrived on a stream
 
     def disconnected_for(self) -> float:
         """Seconds without a working stream; 0 while connected."""
@@ -112,7 +112,9 @@ class AdsClient:
                         accepted[response.type_url] = response.version_info
                     outgoing.put_nowait(ack)
                     seen.add(response.type_url)
-                    if len(seen) == 2 and self._down_since is not None:
+                    # The status resource is the server vouching for every model (stale or
+                    # not); assignments it has not sent yet are kept from before.
+                    if STATUS_TYPE in seen and self._down_since is not None:
                         self._down_since = None
                         self.synced.set()
                         log.info("xDS stream to %s in sync", self._target)
