@@ -75,10 +75,13 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     from modeldock.envoy import BootstrapOptions, render_bootstrap
 
     host_x, _, port_x = args.xds.rpartition(":")
-    host_e, _, port_e = args.extproc.rpartition(":")
+    extprocs = tuple(e.strip() for e in args.extproc.split(",") if e.strip())
+    host_e, _, port_e = extprocs[0].rpartition(":")
     print(render_bootstrap(BootstrapOptions(
         listen_port=args.port, admin_port=args.admin_port, xds_port=int(port_x), extproc_port=int(port_e),
-        listen_host=args.listen_host, xds_host=host_x, extproc_host=host_e, node_id=args.node_id,
+        listen_host=args.listen_host, xds_host=host_x, extproc_host=host_e.strip("[]"), node_id=args.node_id,
+        extproc_endpoints=extprocs if len(extprocs) > 1 else (),
+        buffer_limit=args.max_body_bytes + 1024 * 1024,
     )), end="")
     return 0
 
@@ -124,7 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--listen-host", default="0.0.0.0", help="listener address (default 0.0.0.0)")
     env.add_argument("--admin-port", type=int, default=9901, help="admin port (bound to 127.0.0.1)")
     env.add_argument("--xds", default="127.0.0.1:18000", help="xDS server host:port")
-    env.add_argument("--extproc", default="127.0.0.1:18001", help="ext_proc host:port")
+    env.add_argument("--extproc", default="127.0.0.1:18001",
+                     help="ext_proc host:port, or a comma-separated list of replicas")
+    env.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                     help="the config's limits.max_body_bytes; Envoy buffers 1 MiB more so ext_proc answers 413")
     env.add_argument("--node-id", default="modeldock-envoy", help="Envoy node id")
     env.set_defaults(func=cmd_envoy_config)
 
