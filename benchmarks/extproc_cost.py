@@ -87,6 +87,10 @@ async def serve(kind: str) -> None:
         servicer: ep_grpc.ExternalProcessorServicer = Floor()
     else:
         servicer = ExtProcServicer(gateway())
+    if kind == "modeldock":
+        from modeldock.extproc.app import freeze_startup_objects
+
+        freeze_startup_objects()
     server = grpc.aio.server()
     ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
