@@ -16,7 +16,6 @@ how far behind its planned time it really went out (a health check of the client
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,8 +24,8 @@ from time import perf_counter
 import aiohttp
 
 from benchmarks.routing.workloads import Request
-from modeldock.bench.metrics import INVALID, TIMEOUT, TRANSPORT, TRUNCATED, RequestRecord, StreamObserver, e2e, ttft
-from modeldock.bench.sse import SSEParser
+from modeldock.bench.metrics import RequestRecord, StreamObserver, e2e, ttft
+from modeldock.bench.runner import stream_request
 
 
 @dataclass
@@ -89,40 +88,5 @@ def measured_wall(timed: Sequence[Timed], start: float, speed: float) -> float:
 
 async def _send(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes,
                 record: RequestRecord, timeout: float) -> None:
-    """One streaming request, as modeldock.bench.runner._Client.request does it."""
-    observer = StreamObserver(record, "chat", use_usage=True)
-    response: aiohttp.ClientResponse | None = None
-    try:
-        async with asyncio.timeout(timeout):
-            response = await session.post(url, data=body, headers=headers)
-            if response.status != 200:
-                record.fail(str(response.status))
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    record.detail = (await response.content.read(300)).decode("utf-8", errors="replace")
-                return
-            content_type = response.headers.get("Content-Type", "text/event-stream")
-            if not content_type.startswith("text/event-stream"):
-                record.fail(INVALID, f"not an event stream: {content_type}")
-                return
-            parser = SSEParser()
-            async for chunk in response.content.iter_any():
-                at = perf_counter()
-                for event in parser.feed(chunk):
-                    observer.on_event(event, at)
-                if observer.finished:
-                    break
-            else:
-                observer.on_close()
-    except TimeoutError:
-        record.fail(TIMEOUT, f"no end of stream within {timeout:g}s")
-    except (aiohttp.ClientError, OSError) as exc:
-        record.fail(TRUNCATED if response is not None else TRANSPORT, f"{type(exc).__name__}: {exc}")
-    finally:
-        if response is not None:
-            if record.completed and not response.content.at_eof():
-                with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
-                    await asyncio.wait_for(response.content.read(), 0.1)
-            if record.completed:
-                response.release()
-            else:
-                response.close()
+    """One streaming request, exactly as `modeldock bench` sends and measures it."""
+    await stream_request(session, url, headers, body, StreamObserver(record, "chat", use_usage=True), timeout)

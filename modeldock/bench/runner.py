@@ -145,51 +145,60 @@ class _Client:
         body = json.dumps(self.payload(index)).encode()
         record = RequestRecord(index=index, sent_at=perf_counter())
         observer = StreamObserver(record, self.options.endpoint, self.options.usage)
-        response: aiohttp.ClientResponse | None = None
-        try:
-            async with asyncio.timeout(self.options.timeout):
-                response = await self.session.post(self.url, data=body, headers=self.headers)
-                await self._read(response, observer)
-        except TimeoutError:
-            record.fail(TIMEOUT, f"no end of stream within {self.options.timeout:g}s")
-        except (aiohttp.ClientError, OSError) as exc:
-            # Once a 200 stream has started, a broken connection cut the stream short.
-            kind = TRUNCATED if response is not None else TRANSPORT
-            record.fail(kind, f"{type(exc).__name__}: {exc}")
-        finally:
-            if response is not None:
-                await self._let_go(response, observer)
+        await stream_request(self.session, self.url, self.headers, body, observer, self.options.timeout)
         return record
 
-    async def _read(self, response: aiohttp.ClientResponse, observer: StreamObserver) -> None:
-        record = observer.record
-        if response.status != 200:
-            # Classify first: a body that fails to arrive must not hide the status.
-            record.fail(str(response.status))
-            record.detail = await _body_start(response)
-            return
-        content_type = response.headers.get("Content-Type", "text/event-stream")
-        if not content_type.startswith("text/event-stream"):
-            record.fail(INVALID, f"not an event stream: {content_type}")
-            return
-        parser = SSEParser()
-        async for chunk in response.content.iter_any():
-            at = perf_counter()
-            for event in parser.feed(chunk):
-                observer.on_event(event, at)
-            if observer.finished:
-                return
-        observer.on_close()
 
-    async def _let_go(self, response: aiohttp.ClientResponse, observer: StreamObserver) -> None:
-        if observer.done and observer.record.completed and not response.content.at_eof():
-            # If the body does not end in time, release() closes the connection instead.
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
-                await asyncio.wait_for(response.content.read(), _DRAIN_SECONDS)
-        if observer.record.completed:
-            response.release()
-        else:
-            response.close()
+async def stream_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes,
+                         observer: StreamObserver, timeout: float) -> None:
+    """POST one streaming request and record what it did into `observer.record`."""
+    record = observer.record
+    response: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            response = await session.post(url, data=body, headers=headers)
+            await _read(response, observer)
+    except TimeoutError:
+        record.fail(TIMEOUT, f"no end of stream within {timeout:g}s")
+    except (aiohttp.ClientError, OSError) as exc:
+        # Once a 200 stream has started, a broken connection cut the stream short.
+        kind = TRUNCATED if response is not None else TRANSPORT
+        record.fail(kind, f"{type(exc).__name__}: {exc}")
+    finally:
+        if response is not None:
+            await _let_go(response, observer)
+
+
+async def _read(response: aiohttp.ClientResponse, observer: StreamObserver) -> None:
+    record = observer.record
+    if response.status != 200:
+        # Classify first: a body that fails to arrive must not hide the status.
+        record.fail(str(response.status))
+        record.detail = await _body_start(response)
+        return
+    content_type = response.headers.get("Content-Type", "text/event-stream")
+    if not content_type.startswith("text/event-stream"):
+        record.fail(INVALID, f"not an event stream: {content_type}")
+        return
+    parser = SSEParser()
+    async for chunk in response.content.iter_any():
+        at = perf_counter()
+        for event in parser.feed(chunk):
+            observer.on_event(event, at)
+        if observer.finished:
+            return
+    observer.on_close()
+
+
+async def _let_go(response: aiohttp.ClientResponse, observer: StreamObserver) -> None:
+    if observer.done and observer.record.completed and not response.content.at_eof():
+        # If the body does not end in time, release() closes the connection instead.
+        with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+            await asyncio.wait_for(response.content.read(), _DRAIN_SECONDS)
+    if observer.record.completed:
+        response.release()
+    else:
+        response.close()
 
 
 async def _body_start(response: aiohttp.ClientResponse) -> str:
