@@ -35,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402
 
+from benchmarks._proc import cpu_seconds  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.admission.limits import Admission  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
@@ -46,7 +47,6 @@ from modeldock.extproc.gateway import Gateway  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/admission.py"
-CLK = os.sysconf("SC_CLK_TCK")
 MODEL = "m"
 BIG = 10**9  # a limit never reached, so every request pays for the check and is admitted
 KEYS = {"free": "bench-free-key", "limited": "bench-limited-key"}
@@ -178,11 +178,6 @@ async def serve(variant: str, redis_url: str) -> None:
     await server.start()
     print(port, flush=True)
     await server.wait_for_termination()
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 async def drive(port: int, key: str, seconds: float, concurrency: int,

@@ -29,6 +29,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402
 
+from benchmarks._proc import cpu_seconds  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.admission.limits import Admission  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
@@ -38,7 +39,6 @@ from modeldock.extproc.app import build_picker  # noqa: E402
 from modeldock.extproc.flow import RequestFlow  # noqa: E402
 from modeldock.extproc.gateway import Gateway  # noqa: E402
 
-CLK = os.sysconf("SC_CLK_TCK")
 CONFIG = {"tenants": [{"id": "t", "api_key_hashes": [hash_key("bench-key")], "models": ["m"]}],
           "models": [{"name": "m", "endpoints": ["127.0.0.1:1", "127.0.0.1:2"]}]}
 
@@ -97,11 +97,6 @@ async def serve(kind: str) -> None:
     await server.start()
     print(port, flush=True)
     await server.wait_for_termination()
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 async def drive(port: int, pid: int, streams: int, concurrency: int) -> tuple[float, float, float]:

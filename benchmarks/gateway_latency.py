@@ -25,6 +25,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.bench import BenchOptions, run_benchmark  # noqa: E402
 from modeldock.bench.metrics import e2e  # noqa: E402
@@ -32,7 +33,6 @@ from modeldock.envoy import envoy_binary  # noqa: E402
 from modeldock.up import Supervisor, free_port  # noqa: E402
 from tests.support.stack import API_KEY, Stack, running_stack, wait_until  # noqa: E402
 
-CLK = os.sysconf("SC_CLK_TCK")
 
 ENVOY_ONLY = """
 admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
@@ -63,18 +63,6 @@ static_resources:
       cluster_name: sim
       endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {sim}}}}}}}}}]}}]
 """
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def pid_of(stack: Stack, name: str) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import signal
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ import yaml  # noqa: E402
 from envoy.config.core.v3 import base_pb2  # noqa: E402
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2  # noqa: E402
 
+from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.clock import FakeClock  # noqa: E402
 from modeldock.config import ModelConfig, load_config  # noqa: E402
@@ -241,18 +241,6 @@ async def serve_child(config_path: str, port: int) -> None:
     print("ready", flush=True)
     await stop.wait()
     await server.stop(0)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 @dataclass

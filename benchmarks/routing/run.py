@@ -43,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._proc import cpu_seconds  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from benchmarks.routing import envoy_log  # noqa: E402
 from benchmarks.routing.driver import DriveResult, Timed, drive  # noqa: E402
@@ -54,7 +55,6 @@ from tests.support.stack import API_KEY, Stack, running_stack, start_sims, wait_
 
 POLICIES = ("round_robin", "least_request", "seed", "default")
 MODEL = "demo-model"
-CLK = os.sysconf("SC_CLK_TCK")
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 DOC_PNG = ROOT / "docs" / "routing.png"
@@ -62,13 +62,6 @@ COMMAND = ".venv/bin/python benchmarks/routing/run.py"
 
 
 # -- measurement plumbing -----------------------------------------------------------------------
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def component(name: str) -> str:
