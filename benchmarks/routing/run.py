@@ -622,7 +622,14 @@ def explanations(args: argparse.Namespace, grid: dict[tuple[str, str], Cell], wo
         if d is None or rr is None or (d.stat("ttft", 95) or 0) < (rr.stat("ttft", 95) or 0):
             continue
         lr = grid.get(("least_request", w.name))
-        if w.name == "bursts":
+        d95, rr95 = d.stat("ttft", 95) or 0, rr.stat("ttft", 95) or 0
+        if w.name == "bursts" and rr95 and d95 <= rr95 * 1.03:
+            out.append(f"""**`default` ties `round_robin` on `bursts`** (TTFT p95 {ms(d95)} vs {ms(rr95)} ms). Both now
+spread each burst evenly (busiest backend's share {num(d.diag('burst_max'), 2)} vs {num(rr.diag('burst_max'), 2)} per
+burst, ideal {w.params['size'] / args.backends:.2f}): near-equal scores go to the endpoint picked longest ago. What
+remains is the prefill of the burst's long prompts, which a request-count signal cannot shorten; a prompt-size-aware
+load signal (in-flight prefill tokens) is the next step.""")
+        elif w.name == "bursts":
             out.append(f"""**Why `default` does not beat `round_robin` on `bursts`.** A burst's {w.params['size']} requests
 arrive within {w.params['spread_s'] * 1000 / args.speed:.0f} ms, i.e. as consecutive picks, and `round_robin` sends
 consecutive picks to consecutive backends: each backend gets its share of every burst (busiest backend's share

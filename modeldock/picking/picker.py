@@ -28,15 +28,21 @@ _NO_LOAD = Load()  # read-only stand-in for endpoints never counted or sampled
 
 # A ranking entry: (saturated, score, random tie-break, endpoint); tuples sort in that order.
 _Keyed = tuple[bool, float, float, Endpoint]
+# `default`: scores this close count as equal and the least recently picked wins (with no more in
+# flight). Below one queued request's weight (0.4 * 1/5 = 0.08), so a real queue still decides;
+# above the score of a stale KV reading of one request (routing benchmark trials: 0.03 left `shared`
+# at 0.83x round robin, 0.06 at 0.99x, with `mixed` unchanged; see benchmarks/routing/README.md).
+_NEAR_TIE = 0.06
 
 
 class Lease:
     """One request's claim on an endpoint; released exactly once."""
 
-    def __init__(self, picker: Picker, endpoint: Endpoint) -> None:
+    def __init__(self, picker: Picker, endpoint: Endpoint, seq: int) -> None:
         self._picker = picker
         self.endpoint = endpoint
         self.released = False
+        self._seq = seq  # the picker's sequence number for this claim
 
     def move_to(self, address: str) -> None:
         """Envoy reported that another endpoint served the request (after a retry)."""
@@ -46,14 +52,14 @@ class Lease:
             target = Endpoint.parse(address)
         except ValueError:
             return
-        self._picker._add(self.endpoint, -1)
+        self._picker._drop(self.endpoint, self._seq)
         self.endpoint = target
-        self._picker._add(target, +1)
+        self._seq = self._picker._claim(target)  # new to that endpoint: counted like a pick there
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._picker._add(self.endpoint, -1)
+            self._picker._drop(self.endpoint, self._seq)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class Picker:
       scored from its in-flight count plus stale_penalty.
     p2c_threshold: above this many candidates, pick by power of two choices.
     saturation: reject when every candidate is over its limits (None: never).
+    near_tie: `default` only: candidates scoring within this of the best, with
+      no more requests in flight, are equal, and the least recently picked of
+      them is the primary (0: exact ties only).
     rng: tie-breaks and p2c sampling; inject a seeded one in tests.
     registry: where to export metrics (None: no metrics).
     """
@@ -94,6 +103,7 @@ class Picker:
         stale_penalty: float = 0.5,
         p2c_threshold: int = 32,
         saturation: Saturation | None = None,
+        near_tie: float = _NEAR_TIE,
         rng: random.Random | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -103,6 +113,8 @@ class Picker:
             raise ValueError("stale_after must be > 0")
         if p2c_threshold < 2:
             raise ValueError("p2c_threshold must be >= 2")
+        if near_tie < 0:
+            raise ValueError("near_tie must be >= 0")
         self._clock = clock
         self._fallbacks = fallbacks
         self._stale_after = stale_after
@@ -112,6 +124,9 @@ class Picker:
         if scorers is None and weights is not None:
             scorers = default_scorers(weights)
         self._policy: ScoredPolicy | RoundRobin = make_policy(policy, scorers, stale_penalty)
+        # Least-recently-picked among near ties: only `default` (the others keep random ties).
+        self._near_tie = near_tie if self._policy.name == "default" else None
+        self._seq = 0  # picks (and moves) so far: every claim's sequence number
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self._served: dict[str, str] = {}
         self._live: frozenset[Endpoint] = frozenset()
@@ -166,7 +181,7 @@ class Picker:
             return  # an older result than the one we hold
         load.sample = sample
         load.taken_at = taken_at
-        load.base = load.in_flight if in_flight_at is None else in_flight_at
+        load.rebase(self._seq, in_flight_at)
         load.failures = 0
 
     def observe_failure(self, endpoint: Endpoint) -> None:
@@ -208,8 +223,7 @@ class Picker:
             assert self._saturation is not None
             raise self._saturation.rejection(model, len(candidates))
         primary = ranked[0]
-        self._add(primary, +1)
-        result = Pick(primary, tuple(ranked[1:]), Lease(self, primary))
+        result = Pick(primary, tuple(ranked[1:]), Lease(self, primary, self._claim(primary)))
         self._metrics.outcome["picked"].inc()
         self._metrics.latency.observe(perf_counter() - started)
         return result
@@ -229,12 +243,38 @@ class Picker:
         return keyed
 
     def _rank(self, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
-        """Score everyone; best first, saturated last, equal scores in random order."""
+        """Score everyone; best first, saturated last, equal scores in random order.
+        With near_tie, the least recently picked of those near the best leads."""
         keyed = self._keyed(candidates, self._clock.monotonic())
         keyed.sort()
         if keyed[0][0]:
             return None  # even the best is saturated
+        if self._near_tie is not None:
+            lead = self._least_recent(keyed)
+            if lead:
+                keyed.insert(0, keyed.pop(lead))
         return [k[3] for k in keyed[:count]]
+
+    def _least_recent(self, ranked: list[_Keyed]) -> int:
+        """Index of the least recently picked entry scoring within near_tie of
+        ranked[0] (sorted, unsaturated) with no more requests in flight: when
+        load cannot tell endpoints apart, picks are spaced out like round robin
+        instead of landing at random. The in-flight count is exact and current
+        (the score's sample terms may be a scrape old), so a near tie never
+        sends a request to an endpoint holding more than the best one."""
+        assert self._near_tie is not None
+        limit = ranked[0][1] + self._near_tie
+        loads = self._loads
+        best = loads.get(ranked[0][3], _NO_LOAD)
+        lead, oldest, most = 0, best.last_pick, best.in_flight
+        for i in range(1, len(ranked)):
+            over, score, _, ep = ranked[i]
+            if over or score > limit:
+                break
+            load = loads.get(ep, _NO_LOAD)
+            if load.last_pick < oldest and load.in_flight <= most:
+                lead, oldest = i, load.last_pick
+        return lead
 
     def _two_choices(self, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
         """Power of two choices: the better of two random candidates is the
@@ -270,11 +310,20 @@ class Picker:
     def total_in_flight(self) -> int:
         return sum(load.in_flight for load in self._loads.values())
 
-    def _add(self, endpoint: Endpoint, delta: int) -> None:
+    def _claim(self, endpoint: Endpoint) -> int:
+        """Count one request on `endpoint`; its sequence number."""
         load = self._loads.get(endpoint)
         if load is None:
             load = self._loads[endpoint] = Load()
-        load.in_flight += delta
+        self._seq += 1
+        load.add(self._seq)
+        return self._seq
+
+    def _drop(self, endpoint: Endpoint, seq: int) -> None:
+        load = self._loads.get(endpoint)
+        if load is None:
+            return
+        load.remove(seq)
         if load.in_flight == 0 and endpoint not in self._live:
             del self._loads[endpoint]  # gone from the snapshot and nothing left to count
 
