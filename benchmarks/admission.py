@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -29,11 +28,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
-from envoy.config.core.v3 import base_pb2  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
 
+from benchmarks._extproc import envoy_messages  # noqa: E402
 from benchmarks._proc import cpu_seconds  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.admission.limits import Admission  # noqa: E402
@@ -81,21 +79,7 @@ def gateway(cfg: Config) -> Gateway:
 
 
 def messages(key: str) -> list[ep.ProcessingRequest]:
-    def headers(*pairs: tuple[str, str]) -> ep.HttpHeaders:
-        return ep.HttpHeaders(headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))
-
-    req = ep.ProcessingRequest(request_headers=headers(
-        (":method", "POST"), (":path", "/v1/chat/completions"), ("authorization", f"Bearer {key}"),
-        ("content-type", "application/json"), ("x-request-id", "0f8fad5b-d9cb-469f-a165-70867728950e")))
-    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}).encode(),
-        end_of_stream=True))
-    resp = ep.ProcessingRequest(response_headers=headers((":status", "200")))
-    attrs = struct_pb2.Struct()
-    attrs.update({"upstream.address": "127.0.0.1:1"})
-    resp.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
-    return [req, body, resp]
+    return envoy_messages(key, MODEL)
 
 
 # ---------------------------------------------------------------- in process: decision and flow
