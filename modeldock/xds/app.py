@@ -27,7 +27,8 @@ log = logging.getLogger("modeldock.xds")
 
 class XdsMetrics(StreamEvents):
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.clients = Gauge("modeldock_xds_connected_clients", "ADS streams open", registry=registry)
+        self.clients = Gauge("modeldock_xds_connected_clients", "ADS streams served (not those held before the first list)",
+                             registry=registry)
         self.pushes = Counter("modeldock_xds_pushes", "ADS responses sent", ["type"], registry=registry)
         self.resources = Counter("modeldock_xds_resources_pushed", "Resources sent in ADS responses", ["type"], registry=registry)
         self.nacks = Counter("modeldock_xds_nacks", "ADS responses rejected by a client", ["type"], registry=registry)
@@ -70,7 +71,8 @@ class XdsServer:
         self.cache = ResourceCache()
         self.builder = ResourceBuilder(config.models, config.discovery.stale_after_seconds,
                                        started_at=self.clock.monotonic())
-        self.servicer = AdsServicer(self.cache, self.metrics)
+        # Streams are held until the first rebuild after discovery's first list (see start).
+        self.servicer = AdsServicer(self.cache, self.metrics, serving=False)
         self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
         self._stale: frozenset[str] = frozenset()
@@ -97,6 +99,14 @@ class XdsServer:
             self.metrics.stale.labels(model.name).set(1 if model.name in stale else 0)
 
     async def start(self) -> None:
+        # Listen at once, but answer only with the full state: a client that reconnects
+        # meanwhile waits on an open stream rather than backing off (Envoy's backoff
+        # grows to 30 s), so it is answered as soon as the first list is in.
+        self._server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.servicer, self._server)
+        self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        await self._server.start()
+        log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
         static = StaticDiscovery(self.options.config_path, self.config.models, self.store)
         self._tasks.append(asyncio.create_task(static.run(), name="static-discovery"))
         kube_models = [m for m in self.config.models if m.kubernetes is not None]
@@ -113,11 +123,8 @@ class XdsServer:
         self.rebuild()
         self.store.subscribe(lambda _snapshot: self._schedule_rebuild())
         self._tasks.append(asyncio.create_task(self._tick(), name="staleness"))
-        self._server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.servicer, self._server)
-        self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
-        await self._server.start()
-        log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
+        self.servicer.start_serving()
+        log.info("xDS server serving (EDS version %s)", self.cache.current.versions.get(ENDPOINT_TYPE))
 
     async def _initial_sync(self, models: list[ModelConfig], timeout: float = 5.0) -> None:
         """Have the full state before answering: wait (bounded) for discovery's first list."""

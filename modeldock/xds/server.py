@@ -4,6 +4,13 @@ State of the world (`SotwStream`) and delta (`DeltaStream`) share the same loop:
 one reader task puts requests on a queue, the cache listener puts change marks
 on it, and the handler answers them in order, so the state machine never runs
 concurrently with itself.
+
+A servicer created with `serving=False` accepts streams but holds them, without
+reading or answering, until `start_serving`: the xDS server listens from the
+start, while it waits for discovery's first list. A client that reconnects in
+that time keeps its stream instead of failing and backing off further (Envoy's
+reconnect backoff grows to 30 s), so it is answered as soon as the state is
+known.
 """
 
 from __future__ import annotations
@@ -36,14 +43,24 @@ class _Stream(Protocol):
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    def __init__(self, cache: ResourceCache, events: StreamEvents | None = None) -> None:
+    def __init__(self, cache: ResourceCache, events: StreamEvents | None = None, *, serving: bool = True) -> None:
         self._cache = cache
         self._events = events or StreamEvents()
-        self.streams = 0
+        self.streams = 0  # streams being served; held ones are not counted
         self._queues: set[asyncio.Queue[object]] = set()
+        self._serving = asyncio.Event()
+        if serving:
+            self._serving.set()
+        self._closing = False
+
+    def start_serving(self) -> None:
+        """Answer streams from now on, held ones included (the cache holds the full state)."""
+        self._serving.set()
 
     def close_streams(self) -> None:
         """End every open stream cleanly (on shutdown); clients reconnect elsewhere or later."""
+        self._closing = True
+        self._serving.set()  # held streams end without an answer
         for queue in self._queues:
             queue.put_nowait(_END)
 
@@ -66,6 +83,10 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             yield response
 
     async def _serve(self, stream: _Stream, request_iterator: AsyncIterator[Any], kind: str) -> AsyncIterator[Any]:
+        # Requests wait unread in the transport meanwhile: the first is answered from the full state.
+        await self._serving.wait()
+        if self._closing:
+            return
         queue: asyncio.Queue[object] = asyncio.Queue()
 
         def changed() -> None:

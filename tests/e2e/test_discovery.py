@@ -420,23 +420,38 @@ def test_expired_resource_version_relists_and_converges(tmp_path: Path, kube: Fa
         assert xds_metric(stack, "modeldock_xds_stale") == 0
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "Intermittent under a loaded machine (about 1 run in 3 of the full suite): right after the xDS restart "
-    "Envoy's /clusters showed no hosts although the new server sent no assignment for the unlisted model; "
-    "cause not yet found. Passes reliably alone."))
 def test_xds_restart_while_api_server_is_down_keeps_last_endpoints(tmp_path: Path, kube: FakeKubeServer) -> None:
-    # Expected: until the cutoff, the endpoints Envoy and ext_proc hold stay in use (the new server
-    # does not answer for that model yet); after it, 503 endpoint_snapshot_stale, as for a running server.
+    # Until the cutoff, the endpoints Envoy and ext_proc hold stay in use: the new server, which has
+    # never listed, sends no assignment for the model. The cutoff counts from the new server's start;
+    # after it, an empty assignment and 503 endpoint_snapshot_stale, as for a running server.
+    # The new server listens at once and holds streams until its first-list wait ends, so Envoy
+    # reconnects within its first few (short) backoffs and is answered then, well before the cutoff.
     with kube_stack(tmp_path, kube, backends=2, stale_after=15.0) as stack:
         a, b = stack.sims
         wait_for_hosts(stack, a, b)
-        kube.pause()  # the API server stays unreachable for longer than the first-list wait
+        kube.pause()  # the API server stays unreachable for longer than the first-list wait and the cutoff
         try:
             command = stop_xds(stack)
+            restarted = time.monotonic()  # the new server starts after this: its cutoff comes later
             stack.sup.start("xds", command)
             wait_until(lambda: xds_clients(stack) == 2, 20, what="Envoy and ext_proc to resubscribe")
             time.sleep(0.5)  # let whatever the new server pushed arrive
-            assert envoy_hosts(stack) == addresses(a, b)
+            hosts = envoy_hosts(stack)
+            assert hosts == addresses(a, b), f"{time.monotonic() - restarted:.1f}s after the restart"
             assert sum(spread(stack, 4).values()) == 4
+
+            error = None
+            while error is None:
+                assert time.monotonic() < restarted + 15.0 + 10, "requests never got 503 endpoint_snapshot_stale"
+                error = stale_error(stack)
+                if error is None:
+                    time.sleep(0.1)
+            went_stale = time.monotonic() - restarted
+            assert went_stale >= 15.0, f"stale {went_stale:.1f}s after the restart, before the cutoff"
+            wait_for_hosts(stack)
+            assert eds_endpoints(stack) == set()
         finally:
             kube.resume()
+        wait_for_hosts(stack, a, b, timeout=20)
+        wait_until(lambda: stale_error(stack) is None, 10, what="requests to succeed again")
+        assert sum(spread(stack, 4).values()) == 4
