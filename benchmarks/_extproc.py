@@ -1,4 +1,4 @@
-"""The three ext_proc messages Envoy sends for one completion request, for benchmarks."""
+"""The ext_proc messages Envoy sends for one completion request, for benchmarks."""
 
 from __future__ import annotations
 
@@ -9,20 +9,21 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
 
-def envoy_messages(key: str, model: str) -> list[ep.ProcessingRequest]:
-    """Request headers, the buffered body, and response headers naming the endpoint that served it."""
-    def headers(*pairs: tuple[str, str]) -> ep.HttpHeaders:
-        return ep.HttpHeaders(headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))
+def _attributes(msg: ep.ProcessingRequest, values: dict[str, str]) -> ep.ProcessingRequest:
+    struct = struct_pb2.Struct()
+    struct.update(values)
+    msg.attributes["envoy.filters.http.ext_proc"].CopyFrom(struct)
+    return msg
 
-    req = ep.ProcessingRequest(request_headers=headers(
-        (":method", "POST"), (":path", "/v1/chat/completions"), ("authorization", f"Bearer {key}"),
-        ("content-type", "application/json"), ("x-request-id", "0f8fad5b-d9cb-469f-a165-70867728950e")))
-    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(
+
+def envoy_messages(key: str, model: str) -> list[ep.ProcessingRequest]:
+    """The buffered body with the request attributes, then response headers naming the endpoint."""
+    body = _attributes(ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}).encode(),
-        end_of_stream=True))
-    resp = ep.ProcessingRequest(response_headers=headers((":status", "200")))
-    attrs = struct_pb2.Struct()
-    attrs.update({"upstream.address": "127.0.0.1:1"})
-    resp.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
-    return [req, body, resp]
+        end_of_stream=True)), {
+        "request.method": "POST", "request.path": "/v1/chat/completions",
+        "request.id": "0f8fad5b-d9cb-469f-a165-70867728950e", "request.headers['authorization']": f"Bearer {key}"})
+    resp = _attributes(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]))), {
+        "upstream.address": "127.0.0.1:1", "request.method": "POST", "request.path": "/v1/chat/completions"})
+    return [body, resp]

@@ -41,6 +41,7 @@ from modeldock.discovery.snapshot import Endpoint  # noqa: E402
 from modeldock.extproc.app import build_picker  # noqa: E402
 from modeldock.extproc.flow import RequestFlow  # noqa: E402
 from modeldock.extproc.gateway import Gateway  # noqa: E402
+from modeldock.extproc.wire import add_servicer  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/admission.py"
@@ -156,7 +157,7 @@ async def serve(variant: str, redis_url: str) -> None:
     cfg, _ = variant_setup(variant, redis_url)
     gw = gateway(cfg)
     server = grpc.aio.server()
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(gw), server)
+    add_servicer(ExtProcServicer(gw), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -168,7 +169,7 @@ async def drive(port: int, key: str, seconds: float, concurrency: int,
     """Streams completed, their latencies (s), streams answered with anything but a pass, and over the
     measured span: wall seconds, CPU seconds of pids[0] (ext_proc) and pids[1] (Redis)."""
     msgs = messages(key)
-    expected = ["request_headers", "request_body", "response_headers"]
+    expected = ["request_body", "response_headers"]
     lat: list[float] = []
     refused = 0
     loop = asyncio.get_running_loop()
@@ -297,12 +298,12 @@ def main() -> None:
         f"Variants alternate round by round.",
         "### Per request, in process (sequential; µs of wall time)",
         table(["tenant", "admit+release p50 µs", "p99 µs", "CPU µs", "p50 vs local",
-               "RequestFlow 3 phases + finish p50 µs", "p99 µs", "CPU µs", "p50 vs local"], rows),
+               "RequestFlow 2 messages + finish p50 µs", "p99 µs", "CPU µs", "p50 vs local"], rows),
         "`CPU µs` is this process's CPU time per request (the Redis server's own work is not in it).",
         f"### ext_proc throughput at concurrency {args.concurrency}",
         f"The real `ExtProcServicer` (grpc.aio) runs in its own process; one grpc.aio client process keeps "
-        f"{args.concurrency} streams open at once, each sending request headers, the buffered body and "
-        f"response headers, then ending the stream (as Envoy does when the HTTP stream ends). "
+        f"{args.concurrency} streams open at once, each sending the buffered body (with the request "
+        f"attributes) and the response headers, then ending the stream (as Envoy does when the HTTP stream ends). "
         f"Server CPU is that process's share of one core; the client competes for the same 2 cores.",
         table(["tenant", "streams/s", "vs local", "stream p50 ms", "stream p99 ms", "ext_proc CPU (of 1 core)",
                "ext_proc CPU µs/stream", "streams/s at 1 full core", "Redis CPU", "not admitted"], tp_rows),

@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pathlib import Path
@@ -20,6 +19,7 @@ from modeldock.config import Config, ConfigError, load_config
 from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
+from modeldock.extproc.wire import add_servicer
 from modeldock.config import RoutingConfig
 from modeldock.picking import Picker
 from modeldock.process import run_until_signalled
@@ -133,7 +133,7 @@ class ExtProcServer:
             self._tasks.append(asyncio.create_task(self._watch_config(self.options.config_path), name="reload"))
         freeze_startup_objects()
         self._server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
+        add_servicer(self.servicer, self._server)
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",

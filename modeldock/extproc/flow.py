@@ -1,10 +1,13 @@
 """The ext_proc stream state machine: one RequestFlow per HTTP request.
 
-Phases: request headers (route, authenticate, strip secrets), request body
-(parse, allowlist, pick), response headers (learn which endpoint served it).
-The flow owns the request's lease and releases it exactly once, when the
-ext_proc stream ends, which Envoy makes coincide with the end of the HTTP
-stream (see docs/envoy.md).
+Envoy sends two messages per completion request (docs/envoy.md): the buffered
+request body, with the request's method, path, id and Authorization header as
+attributes (authenticate, parse, allowlist, pick), then the response headers
+(learn which endpoint served it). `GET /v1/models` is the one route whose
+request headers are sent; a request without a body reaches ext_proc only as
+Envoy's own reply, which becomes a JSON error here. The flow owns the request's
+lease and releases it exactly once, when the ext_proc stream ends, which Envoy
+makes coincide with the end of the HTTP stream.
 """
 
 from __future__ import annotations
@@ -19,25 +22,31 @@ from modeldock.config import TenantConfig
 from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection
 from modeldock.extproc import responses
 from modeldock.extproc.gateway import Gateway
-from modeldock.extproc.request import RequestHead, ascii_int, bearer_key, check_length, parse_body, read_head
+from modeldock.extproc.request import (
+    RequestHead,
+    ascii_int,
+    bearer_key,
+    check_length,
+    head_from_attributes,
+    parse_body,
+    read_head,
+)
 from modeldock.admission.limits import Ticket
 from modeldock.picking import Lease
-from modeldock.xds.resources import CLUSTER_HEADER, DESTINATION_HEADER, cluster_name
+from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MODELS_PATH = "/v1/models"
-# Never forwarded upstream: secrets, and headers that steer routing.
-STRIPPED = ("authorization", DESTINATION_HEADER, CLUSTER_HEADER)
+ATTRIBUTES = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS = "upstream.address"
 
 
 class Phase(Enum):
-    HEADERS = 1
-    BODY = 2
-    UPSTREAM = 3
-    DONE = 4
+    START = 1
+    UPSTREAM = 2
+    DONE = 3
 
 
 def _headers(header_map: ep.HttpHeaders) -> list[tuple[str, str]]:
@@ -54,10 +63,25 @@ def _status(headers: ep.HttpHeaders) -> int:
     return 0
 
 
+def _attributes(request: ep.ProcessingRequest) -> dict[str, str]:
+    """Envoy's attributes for this message; a missing one (no such header) is left out."""
+    attrs = request.attributes.get(ATTRIBUTES)
+    if attrs is None:
+        return {}
+    return {k: v.string_value for k, v in attrs.fields.items() if v.WhichOneof("kind") == "string_value"}
+
+
+def _check_route(head: RequestHead) -> None:
+    if head.path not in COMPLETION_PATHS:
+        raise NotFound(f"Unknown path {head.path!r}.", code="unknown_url")
+    if head.method != "POST":
+        raise BadRequest(f"Use POST for {head.path}.", code="method_not_allowed")
+
+
 class RequestFlow:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
-        self._phase = Phase.HEADERS
+        self._phase = Phase.START
         self.head: RequestHead | None = None
         self.tenant: TenantConfig | None = None
         self.model: str | None = None
@@ -71,15 +95,15 @@ class RequestFlow:
     async def handle(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         try:
             kind = request.WhichOneof("request")
-            if kind == "request_headers" and self._phase is Phase.HEADERS:
-                return self._on_request_headers(request.request_headers)
-            if kind == "request_body" and self._phase is Phase.BODY:
-                return await self._on_request_body(request.request_body)
+            if kind == "request_body" and self._phase is Phase.START:
+                return await self._on_request_body(request)
             if kind == "response_headers" and self._phase is Phase.UPSTREAM:
                 return self._on_response_headers(request)
-            if kind == "response_headers" and self._phase is Phase.BODY:
-                return self._on_local_reply(request.response_headers)
-            if self._phase in (Phase.HEADERS, Phase.BODY):
+            if kind == "response_headers" and self._phase is Phase.START:
+                return self._on_local_reply(request)
+            if kind == "request_headers" and self._phase is Phase.START:
+                return self._on_request_headers(request.request_headers)
+            if self._phase is Phase.START:
                 # Nothing may reach an upstream before authentication and picking.
                 raise BadRequest("Request arrived out of order.", code="invalid_request")
             return responses.continue_other(request)
@@ -88,79 +112,75 @@ class RequestFlow:
             self.outcome, self.status = "rejected", rejection.status
             log.info(
                 "rejected request %s: %d %s (tenant=%s model=%s)",
-                self.head.request_id if self.head else "-", rejection.status, rejection.code,
-                self.tenant.id if self.tenant else "-", self.model or "-",
+                self.head.request_id if self.head and self.head.request_id else "-", rejection.status,
+                rejection.code, self.tenant.id if self.tenant else "-", self.model or "-",
             )
             return responses.rejection_response(rejection)
 
     def _on_request_headers(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+        """Only `/v1/models` sends its headers (a per-route override in Envoy)."""
         head = self.head = read_head(_headers(headers))
-        if head.path == MODELS_PATH and head.method == "GET":
-            tenant = self.tenant = self._gateway.authenticate(bearer_key(head.authorization))
-            data = [
-                {"id": name, "object": "model", "created": 0, "owned_by": "modeldock"}
-                for name in self._gateway.visible_models(tenant)
-            ]
-            self._phase = Phase.DONE
-            self.outcome, self.status = "models", 200
-            return responses.json_response(200, {"object": "list", "data": data})
-        if head.path not in COMPLETION_PATHS:
-            raise NotFound(f"Unknown path {head.path!r}.", code="unknown_url")
-        if head.method != "POST":
-            raise BadRequest(f"Use POST for {head.path}.", code="method_not_allowed")
-        self.tenant = self._gateway.authenticate(bearer_key(head.authorization))
-        if head.content_length is not None:
-            check_length(head.content_length, self._gateway.max_body_bytes)
-        if headers.end_of_stream:
-            raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
-        self._phase = Phase.BODY
-        return responses.continue_request_headers(responses.header_mutation(remove=STRIPPED))
+        if head.path != MODELS_PATH:
+            _check_route(head)
+            # A completion route must not send headers: its body carries the request.
+            raise BadRequest("Request arrived out of order.", code="invalid_request")
+        if head.method != "GET":
+            raise BadRequest(f"Use GET for {head.path}.", code="method_not_allowed")
+        tenant = self.tenant = self._gateway.authenticate(bearer_key(head.authorization))
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "modeldock"}
+            for name in self._gateway.visible_models(tenant)
+        ]
+        self._phase = Phase.DONE
+        self.outcome, self.status = "models", 200
+        return responses.json_response(200, {"object": "list", "data": data})
 
-    async def _on_request_body(self, body: ep.HttpBody) -> ep.ProcessingResponse:
-        assert self.tenant is not None
-        check_length(len(body.body), self._gateway.max_body_bytes)
-        data = parse_body(body.body)
+    async def _on_request_body(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        head = self.head = head_from_attributes(_attributes(request))
+        _check_route(head)
+        tenant = self.tenant = self._gateway.authenticate(bearer_key(head.authorization))
+        raw = request.request_body.body
+        check_length(len(raw), self._gateway.max_body_bytes)
+        data = parse_body(raw)
         model = self.model = str(data["model"])
-        config = self._gateway.resolve_model(self.tenant, model)
+        config = self._gateway.resolve_model(tenant, model)
         new_body: bytes | None = None
-        set_headers = {}
         if config.upstream_name != model:
             data["model"] = config.upstream_name
             new_body = json.dumps(data, separators=(",", ":")).encode()
-            set_headers["content-length"] = str(len(new_body))
-        self.ticket = await self._gateway.admission.admit(self.tenant, model)
+        self.ticket = await self._gateway.admission.admit(tenant, model)
         # No await from here on: pick and count happen in one step.
         pick = self._gateway.pick(model)
         self.lease = pick.lease
         self.primary = pick.primary.address
         self._phase = Phase.UPSTREAM
-        set_headers[DESTINATION_HEADER] = pick.header_value
-        set_headers[CLUSTER_HEADER] = cluster_name(model)
-        return responses.continue_request_body(
-            responses.header_mutation(set_headers), body=new_body, clear_route_cache=True
-        )
+        return responses.route_request_body(cluster_name(model), pick.header_value, new_body)
 
     def _on_response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         self._phase = Phase.DONE
         self.outcome = "proxied"
         self.status = _status(request.response_headers)
-        attrs = request.attributes.get("envoy.filters.http.ext_proc")
-        if attrs is not None and self.lease is not None:
-            served = attrs.fields.get(UPSTREAM_ADDRESS)
-            if served is not None and served.string_value:
-                self.served_by = served.string_value
-                self.lease.move_to(served.string_value)
+        served = _attributes(request).get(UPSTREAM_ADDRESS)
+        if served and self.lease is not None:
+            self.served_by = served
+            self.lease.move_to(served)
         if self.ticket is not None and self.ticket.headers:
             return responses.continue_response_headers(responses.header_mutation(self.ticket.headers))
         return responses.continue_response_headers()
 
-    def _on_local_reply(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
-        """Envoy answered by itself before the body reached us: its buffer overflowed (413)."""
+    def _on_local_reply(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        """Envoy answered by itself before ext_proc saw a body: say why, as JSON."""
         self._phase = Phase.DONE
-        self.outcome, self.status = "rejected", _status(headers)
-        if self.status == 413:
+        status = _status(request.response_headers)
+        if status == 413:  # the body overflowed Envoy's buffer
             limit = self._gateway.max_body_bytes
-            return responses.rejection_response(PayloadTooLarge(f"Request body is over the limit of {limit} bytes."))
+            raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes.")
+        head = self.head = head_from_attributes(_attributes(request))
+        if status == 404:
+            # Envoy's catch-all route: no body, so ext_proc never picked a route.
+            _check_route(head)
+            raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
+        self.outcome, self.status = "local_reply", status
         return responses.continue_response_headers()
 
     @property

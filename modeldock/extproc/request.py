@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,6 +24,14 @@ def ascii_int(value: str) -> int | None:
 
 def _no_constants(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    # 1e999 reads as infinity, which a rewritten body would send on as `Infinity`.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,16 @@ def read_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
         elif key == "x-request-id":
             request_id = value
     return RequestHead(method, path, tuple(authorization), content_length, request_id)
+
+
+def head_from_attributes(attributes: dict[str, str]) -> RequestHead:
+    """The request as Envoy's `request_attributes` describe it (no header phase)."""
+    path = attributes.get("request.path", "").split("?", 1)[0]
+    auth = attributes.get("request.headers['authorization']")
+    # Envoy joins repeated headers with ","; a bearer token never contains one.
+    authorization = tuple(auth.split(",")) if auth is not None else ()
+    return RequestHead(attributes.get("request.method", ""), path, authorization, None,
+                       attributes.get("request.id", ""))
 
 
 def bearer_key(authorization: tuple[str, ...]) -> str:
@@ -81,8 +100,9 @@ def parse_body(body: bytes) -> dict[str, object]:
     if not text.strip():
         raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
     try:
-        # ValueError also covers integers past Python's digit limit and NaN/Infinity.
-        data = json.loads(text, parse_constant=_no_constants)
+        # ValueError also covers integers past Python's digit limit, NaN/Infinity and
+        # numbers past a double's range.
+        data = json.loads(text, parse_constant=_no_constants, parse_float=_finite_float)
     except (ValueError, RecursionError):
         raise BadRequest("Request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(data, dict):

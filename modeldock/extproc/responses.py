@@ -9,8 +9,10 @@ from collections.abc import Iterable, Mapping
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
 
 from modeldock.errors import Rejection
+from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -62,6 +64,24 @@ def continue_request_body(
     if body is not None:
         common.body_mutation.body = body
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+def route_request_body(cluster: str, endpoints: str, body: bytes | None = None) -> ep.ProcessingResponse:
+    """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
+
+    With the header phase skipped, a body response cannot change request headers
+    (Envoy ignores the mutation), but it must carry one for `clear_route_cache` to
+    take effect, so that the route is matched again with the metadata present.
+    """
+    common = ep.CommonResponse(clear_route_cache=True)
+    common.header_mutation.SetInParent()
+    route: dict[str, str] = {"cluster": cluster}
+    if body is not None:
+        common.body_mutation.body = body
+        route["content_length"] = str(len(body))
+    metadata = struct_pb2.Struct()
+    metadata.update({ROUTE_NAMESPACE: route, LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
 def continue_response_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:

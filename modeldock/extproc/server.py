@@ -24,21 +24,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     async def Process(  # noqa: N802 (gRPC name)
         self,
-        request_iterator: AsyncIterator[ep.ProcessingRequest],
+        _requests: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[ep.ProcessingResponse]:
+    ) -> None:
+        # context.read()/write() rather than an async generator: one fewer
+        # coroutine hop per message (benchmarks/extproc_cost.py).
         flow = RequestFlow(self._gateway)
         started = time.perf_counter()
         self.open_streams += 1
         try:
-            async for request in request_iterator:
-                yield await flow.handle(request)
+            while True:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    break
+                await context.write(await flow.handle(request))
         except Exception:
             # A broken stream must not leak: the finally below still releases.
             log.exception("ext_proc stream failed")
         finally:
             # Envoy ends the stream when the HTTP stream ends, including client
-            # disconnects (the generator is then closed or cancelled).
+            # disconnects (the handler is then cancelled).
             self.open_streams -= 1
             flow.finish()
             if self._on_finish is not None:

@@ -11,6 +11,7 @@ from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
 from envoy.config.core.v3 import address_pb2, config_source_pb2, extension_pb2, protocol_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.type.metadata.v3 import metadata_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
@@ -27,8 +28,13 @@ ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 STATUS_TYPE = "type.googleapis.com/google.protobuf.Struct"
 STATUS_NAME = "modeldock.discovery.status"
 
+# The endpoint list's key, under the envoy.lb metadata namespace (the name the
+# Gateway API inference extension uses for the same thing).
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
 CLUSTER_HEADER = "x-modeldock-cluster"
+# ext_proc's own metadata namespace: the cluster (and a rewritten body's length).
+ROUTE_NAMESPACE = "modeldock"
 
 
 def cluster_name(model: str) -> str:
@@ -46,8 +52,9 @@ def _typed(name: str, message: object) -> extension_pb2.TypedExtensionConfig:
 
 
 def _load_balancing_policy() -> cluster_pb2.LoadBalancingPolicy:
-    # override_host takes ext_proc's primary + fallbacks from the header, one per attempt;
-    # round robin is used only once that list is exhausted.
+    # override_host takes ext_proc's primary + fallbacks from the request's dynamic
+    # metadata (envoy.lb namespace), one per attempt; round robin is used only once
+    # that list is exhausted. No header source: a client could set a header.
     fallback = cluster_pb2.LoadBalancingPolicy(
         policies=[
             cluster_pb2.LoadBalancingPolicy.Policy(
@@ -56,7 +63,13 @@ def _load_balancing_policy() -> cluster_pb2.LoadBalancingPolicy:
         ]
     )
     override = override_host_pb2.OverrideHost(
-        override_host_sources=[override_host_pb2.OverrideHost.OverrideHostSource(header=DESTINATION_HEADER)],
+        override_host_sources=[
+            override_host_pb2.OverrideHost.OverrideHostSource(
+                metadata=metadata_pb2.MetadataKey(key=LB_NAMESPACE, path=[
+                    metadata_pb2.MetadataKey.PathSegment(key=DESTINATION_HEADER)
+                ])
+            )
+        ],
         fallback_policy=fallback,
     )
     return cluster_pb2.LoadBalancingPolicy(

@@ -39,21 +39,38 @@ def gateway() -> Gateway:
     return gw
 
 
+def attrs(msg: ep.ProcessingRequest, **values: str) -> ep.ProcessingRequest:
+    struct = struct_pb2.Struct()
+    struct.update(values)
+    msg.attributes["envoy.filters.http.ext_proc"].CopyFrom(struct)
+    return msg
+
+
 def headers(*pairs: tuple[str, str], end: bool = False) -> ep.ProcessingRequest:
     hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
     return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end))
 
 
-def post(path: str = "/v1/chat/completions", key: str | None = KEY, *extra: tuple[str, str]) -> ep.ProcessingRequest:
-    pairs = [(":method", "POST"), (":path", path), ("x-request-id", "r1")]
-    if key is not None:
-        pairs.append(("authorization", f"Bearer {key}"))
-    return headers(*pairs, *extra)
-
-
-def body(payload: object | bytes) -> ep.ProcessingRequest:
+def post(payload: object | bytes, path: str = "/v1/chat/completions", key: str | None = KEY,
+         method: str = "POST", authorization: str | None = None) -> ep.ProcessingRequest:
+    """The buffered body, with the request attributes Envoy sends beside it."""
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True))
+    values = {"request.method": method, "request.path": path, "request.id": "r1"}
+    if authorization is not None:
+        values["request.headers['authorization']"] = authorization
+    elif key is not None:
+        values["request.headers['authorization']"] = f"Bearer {key}"
+    return attrs(ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True)), **values)
+
+
+def response(status: int, path: str = "/v1/chat/completions", method: str = "POST",
+             upstream: str | None = None) -> ep.ProcessingRequest:
+    msg = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])))
+    values = {"request.method": method, "request.path": path}
+    if upstream is not None:
+        values["upstream.address"] = upstream
+    return attrs(msg, **values)
 
 
 def status_of(resp: ep.ProcessingResponse) -> int:
@@ -69,27 +86,29 @@ def set_headers(common: ep.CommonResponse) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
 
 
-async def test_happy_path_picks_strips_and_counts(gateway: Gateway) -> None:
+def route_of(resp: ep.ProcessingResponse) -> tuple[str, str]:
+    """The cluster and endpoint list ext_proc hands Envoy as dynamic metadata."""
+    assert resp.WhichOneof("response") == "request_body"
+    md = resp.dynamic_metadata
+    return md["modeldock"]["cluster"], md["envoy.lb"]["x-gateway-destination-endpoint"]
+
+
+async def test_happy_path_picks_and_counts(gateway: Gateway) -> None:
     flow = RequestFlow(gateway)
-    r1 = await flow.handle(post("/v1/chat/completions", KEY, ("x-gateway-destination-endpoint", "6.6.6.6:1")))
-    assert r1.WhichOneof("response") == "request_headers"
-    removed = set(r1.request_headers.response.header_mutation.remove_headers)
-    assert {"authorization", "x-gateway-destination-endpoint", "x-modeldock-cluster"} <= removed
-    r2 = await flow.handle(body({"model": "llama-8b", "messages": []}))
-    common = r2.request_body.response
-    hdrs = set_headers(common)
-    assert hdrs["x-modeldock-cluster"] == "model:llama-8b"
-    primary, fallback = hdrs["x-gateway-destination-endpoint"].split(",")
+    r = await flow.handle(post({"model": "llama-8b", "messages": []}))
+    common = r.request_body.response
+    cluster, endpoints = route_of(r)
+    assert cluster == "model:llama-8b"
+    primary, fallback = endpoints.split(",")
     assert {primary, fallback} == {"10.0.0.1:8000", "10.0.0.2:8000"}
-    assert common.clear_route_cache
+    # Envoy clears the route cache only for a response that carries a header mutation.
+    assert common.clear_route_cache and common.HasField("header_mutation")
+    assert not common.header_mutation.set_headers and not common.HasField("body_mutation")
+    assert "content_length" not in r.dynamic_metadata["modeldock"]
     assert gateway.picker.total_in_flight() == 1
     # Envoy retried onto the fallback: the count moves with it.
-    attrs = struct_pb2.Struct()
-    attrs.update({"upstream.address": fallback})
-    resp = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
-    resp.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
-    await flow.handle(resp)
+    await flow.handle(response(200, upstream=fallback))
+    assert flow.retried and flow.served_by == fallback
     assert gateway.picker.in_flight(Endpoint.parse(fallback)) == 1
     assert gateway.picker.in_flight(Endpoint.parse(primary)) == 0
     flow.finish()
@@ -99,48 +118,62 @@ async def test_happy_path_picks_strips_and_counts(gateway: Gateway) -> None:
 
 async def test_alias_rewrites_body_for_backend(gateway: Gateway) -> None:
     flow = RequestFlow(gateway)
-    await flow.handle(post())
-    r = await flow.handle(body({"model": "llama-70b", "prompt": "hi"}))
-    rewritten = json.loads(r.request_body.response.body_mutation.body)
-    assert rewritten == {"model": "meta/llama-70b", "prompt": "hi"}
-    assert set_headers(r.request_body.response)["content-length"] == str(len(r.request_body.response.body_mutation.body))
+    r = await flow.handle(post({"model": "llama-70b", "prompt": "hi"}))
+    rewritten = r.request_body.response.body_mutation.body
+    assert json.loads(rewritten) == {"model": "meta/llama-70b", "prompt": "hi"}
+    assert r.dynamic_metadata["modeldock"]["content_length"] == str(len(rewritten))
+    assert route_of(r)[0] == "model:llama-70b"
     flow.finish()
 
 
+OK = {"model": "llama-8b"}
+
+
 @pytest.mark.parametrize(
-    ("first", "second", "status", "code"),
+    ("first", "status", "code"),
     [
-        (post(key=None), None, 401, "missing_api_key"),
-        (post(key="wrong"), None, 401, "invalid_api_key"),
-        (headers((":method", "POST"), (":path", "/v1/completions"), ("authorization", "Basic abc")), None, 401,
-         "invalid_authorization"),
-        (headers((":method", "POST"), (":path", "/v1/completions"), ("authorization", f"Bearer {KEY}"),
-                 ("authorization", f"Bearer {KEY}")), None, 401, "invalid_authorization"),
-        (post("/v1/embeddings"), None, 404, "unknown_url"),
-        (post(), body(b"not json"), 400, "invalid_json"),
-        (post(), body(b"\xff\xfe"), 400, "invalid_body"),
-        (post(), body([1, 2]), 400, "invalid_body"),
-        (post(), body({"messages": []}), 400, "missing_model"),
-        (post(), body({"model": 7}), 400, "invalid_model"),
-        (post(), body({"model": "llama\r\n-8b"}), 400, "invalid_model"),
-        (post(), body({"model": "mistral"}), 403, "model_not_allowed"),
-        (post(), body({"model": "nope"}), 404, "model_not_found"),
-        (post(), body({"model": "llama-8b", "pad": "x" * 3000}), 413, "request_too_large"),
-        (post("/v1/chat/completions", KEY, ("content-length", "999999")), None, 413, "request_too_large"),
+        (post(OK, key=None), 401, "missing_api_key"),
+        (post(OK, key="wrong"), 401, "invalid_api_key"),
+        (post(OK, authorization="Basic abc"), 401, "invalid_authorization"),
+        (post(OK, authorization=""), 401, "missing_api_key"),
+        # Envoy joins repeated headers with a comma.
+        (post(OK, authorization=f"Bearer {KEY},Bearer {KEY}"), 401, "invalid_authorization"),
+        (post(OK, path="/v1/embeddings"), 404, "unknown_url"),
+        (post(OK, method="PUT"), 400, "method_not_allowed"),
+        (post(b"not json"), 400, "invalid_json"),
+        (post(b"\xff\xfe"), 400, "invalid_body"),
+        (post([1, 2]), 400, "invalid_body"),
+        (post({"messages": []}), 400, "missing_model"),
+        (post({"model": 7}), 400, "invalid_model"),
+        (post({"model": "llama\r\n-8b"}), 400, "invalid_model"),
+        (post({"model": "mistral"}), 403, "model_not_allowed"),
+        (post({"model": "nope"}), 404, "model_not_found"),
+        (post({"model": "llama-8b", "pad": "x" * 3000}), 413, "request_too_large"),
+        # No body: Envoy's catch-all route answered 404 before ext_proc saw anything.
+        (response(404), 400, "invalid_body"),
+        (response(404, method="GET"), 400, "method_not_allowed"),
+        (response(404, path="/v1/nothing", method="GET"), 404, "unknown_url"),
+        # The body overflowed Envoy's buffer.
+        (response(413), 413, "request_too_large"),
     ],
 )
-async def test_rejections(gateway: Gateway, first, second, status: int, code: str) -> None:
+async def test_rejections(gateway: Gateway, first: ep.ProcessingRequest, status: int, code: str) -> None:
     flow = RequestFlow(gateway)
     resp = await flow.handle(first)
-    if second is not None:
-        assert resp.WhichOneof("response") == "request_headers"
-        resp = await flow.handle(second)
     assert status_of(resp) == status
     err = error_of(resp)
     assert err["code"] == code and err["message"] and err["type"]
     assert KEY not in resp.immediate_response.body.decode()
+    assert flow.outcome == "rejected" and flow.status == status
     flow.finish()
     assert gateway.picker.total_in_flight() == 0
+
+
+async def test_other_local_replies_pass_through(gateway: Gateway) -> None:
+    flow = RequestFlow(gateway)
+    resp = await flow.handle(response(503))
+    assert resp.WhichOneof("response") == "response_headers"
+    assert flow.outcome == "local_reply" and flow.status == 503
 
 
 async def test_models_lists_only_allowed(gateway: Gateway) -> None:
@@ -150,8 +183,29 @@ async def test_models_lists_only_allowed(gateway: Gateway) -> None:
     assert [m["id"] for m in json.loads(resp.immediate_response.body)["data"]] == ["llama-8b", "llama-70b"]
 
 
-async def test_body_before_headers_is_refused(gateway: Gateway) -> None:
-    resp = await RequestFlow(gateway).handle(body({"model": "llama-8b"}))
+@pytest.mark.parametrize(
+    ("pairs", "status", "code"),
+    [
+        (((":method", "GET"), (":path", "/v1/models")), 401, "missing_api_key"),
+        (((":method", "POST"), (":path", "/v1/models"), ("authorization", f"Bearer {KEY}")), 400,
+         "method_not_allowed"),
+        # Only /v1/models sends its headers; a completion's headers mean Envoy is misconfigured.
+        (((":method", "POST"), (":path", "/v1/chat/completions"), ("authorization", f"Bearer {KEY}")), 400,
+         "invalid_request"),
+    ],
+)
+async def test_request_headers_only_for_models(gateway: Gateway, pairs: tuple[tuple[str, str], ...], status: int,
+                                               code: str) -> None:
+    resp = await RequestFlow(gateway).handle(headers(*pairs))
+    assert status_of(resp) == status
+    assert error_of(resp)["code"] == code
+
+
+@pytest.mark.parametrize("kind", ["request_trailers", "response_body", "response_trailers"])
+async def test_anything_but_a_body_first_is_refused(gateway: Gateway, kind: str) -> None:
+    msg = ep.ProcessingRequest()
+    getattr(msg, kind).SetInParent()
+    resp = await RequestFlow(gateway).handle(msg)
     assert status_of(resp) == 400
     assert gateway.picker.total_in_flight() == 0
 
@@ -159,8 +213,7 @@ async def test_body_before_headers_is_refused(gateway: Gateway) -> None:
 async def test_stale_model_gets_503_with_reason(gateway: Gateway) -> None:
     gateway.on_status(frozenset({"llama-8b"}))
     flow = RequestFlow(gateway)
-    await flow.handle(post())
-    resp = await flow.handle(body({"model": "llama-8b"}))
+    resp = await flow.handle(post({"model": "llama-8b"}))
     assert status_of(resp) == 503
     assert error_of(resp)["code"] == "endpoint_snapshot_stale"
     assert "stale" in error_of(resp)["message"]
@@ -169,8 +222,7 @@ async def test_stale_model_gets_503_with_reason(gateway: Gateway) -> None:
 async def test_no_endpoints_gets_503(gateway: Gateway) -> None:
     gateway.on_endpoints("llama-8b", ())
     flow = RequestFlow(gateway)
-    await flow.handle(post())
-    assert status_of(await flow.handle(body({"model": "llama-8b"}))) == 503
+    assert status_of(await flow.handle(post({"model": "llama-8b"}))) == 503
 
 
 async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> None:
@@ -184,8 +236,7 @@ async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> 
 
     async def start() -> tuple[RequestFlow, ep.ProcessingResponse]:
         flow = RequestFlow(gw)
-        await flow.handle(post())
-        return flow, await flow.handle(body({"model": "llama-8b"}))
+        return flow, await flow.handle(post({"model": "llama-8b"}))
 
     first, r1 = await start()
     assert r1.WhichOneof("response") == "request_body"
@@ -194,8 +245,7 @@ async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> 
     assert status_of(r2) == 429
     second.finish()
     # Response headers carry the x-ratelimit-* headers.
-    resp = await first.handle(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]))))
+    resp = await first.handle(response(200, upstream="10.0.0.1:8000"))
     added = set_headers(resp.response_headers.response)
     assert added["x-ratelimit-limit-requests"] == "2"
     assert added["x-ratelimit-remaining-requests"] == "1"

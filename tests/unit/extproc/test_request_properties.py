@@ -1,4 +1,5 @@
-"""Properties of the request parsers: `parse_body`, `bearer_key` and `read_head` raise nothing but a
+"""Properties of the request parsers: `parse_body`, `bearer_key`, `read_head` and `head_from_attributes`
+raise nothing but a
 `modeldock.errors.Rejection` on any input, and accept every valid input.
 
 The regression tests at the end pin inputs the properties once found: digits int() refuses and
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from modeldock.errors import BadRequest, Rejection, Unauthorized
-from modeldock.extproc.request import RequestHead, bearer_key, parse_body, read_head
+from modeldock.extproc.request import RequestHead, bearer_key, head_from_attributes, parse_body, read_head
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -229,6 +230,35 @@ def test_read_head_reads_every_valid_request(method: str, path: str, query: str,
         at += 1
     head = read_head(headers)
     assert head == RequestHead(method, path, tuple(auth), length, request_id)
+
+
+# ---------------------------------------------------------------- head_from_attributes
+
+ATTRIBUTE_NAMES = ["request.method", "request.path", "request.id", "request.headers['authorization']"]
+
+
+@SETTINGS
+@given(st.dictionaries(st.one_of(st.sampled_from(ATTRIBUTE_NAMES), st.text(max_size=12)), any_value, max_size=6))
+def test_head_from_attributes_raises_nothing(attributes: dict[str, str]) -> None:
+    head = _must_be_rejection(head_from_attributes, attributes)
+    assert isinstance(head, RequestHead)
+    assert head.method == attributes.get("request.method", "")
+    assert head.path == attributes.get("request.path", "").split("?", 1)[0]
+    auth = attributes.get("request.headers['authorization']")
+    assert head.authorization == (tuple(auth.split(",")) if auth is not None else ())
+
+
+@SETTINGS
+# A bearer token (RFC 6750 b64token) has no comma, so a joined value is unambiguous.
+@given(auth=st.lists(keys.filter(lambda k: "," not in k).map(lambda k: f"Bearer {k}"), min_size=1, max_size=3))
+def test_joined_authorization_headers_are_refused_unless_single(auth: list[str]) -> None:
+    # Envoy joins repeated headers with ","; exactly one header is accepted.
+    head = head_from_attributes({"request.headers['authorization']": ",".join(auth)})
+    result = _must_be_rejection(bearer_key, head.authorization)
+    if len(auth) == 1:
+        assert result == auth[0].removeprefix("Bearer ").strip()
+    else:
+        assert isinstance(result, Unauthorized) and result.code == "invalid_authorization"
 
 
 # ---------------------------------------------------------------- known bugs (see the module docstring)
