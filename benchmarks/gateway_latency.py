@@ -123,27 +123,28 @@ async def main_async(args: argparse.Namespace) -> None:
                 "envoy": (f"http://127.0.0.1:{envoy_port}/v1", None),
                 "gateway": (stack.base_url, API_KEY),
             }
-            extproc_pid, envoy_pid = pid_of(stack, "extproc"), pid_of(stack, "envoy")
+            pids = {"extproc": pid_of(stack, "extproc"), "envoy": pid_of(stack, "envoy"),
+                    "envoy-plain": next(c.proc.pid for c in sup.children if c.name == "envoy-plain")}
+            # The process whose CPU each path's requests are charged to.
+            charged = {"envoy": ("envoy-plain",), "gateway": ("extproc", "envoy")}
             samples: dict[tuple[str, int], list[float]] = {}
             errors: dict[str, int] = {name: 0 for name in paths}
-            cpu = {"extproc": 0.0, "envoy": 0.0}
-            gateway_requests = 0
+            cpu: dict[tuple[str, int], float] = {}
+            sent: dict[int, int] = {}
             for _ in range(args.rounds):
                 for c in tiers:
+                    sent[c] = sent.get(c, 0) + args.requests + min(50, args.requests // 5)
                     for name, (url, token) in paths.items():
-                        if name == "gateway":
-                            before = (cpu_seconds(extproc_pid), cpu_seconds(envoy_pid))
+                        before = {p: cpu_seconds(pids[p]) for p in charged.get(name, ())}
                         lat, errs = await measure(url, token, c, args.requests)
-                        if name == "gateway":
-                            cpu["extproc"] += cpu_seconds(extproc_pid) - before[0]
-                            cpu["envoy"] += cpu_seconds(envoy_pid) - before[1]
-                            gateway_requests += args.requests + min(50, args.requests // 5)
+                        for p, start in before.items():
+                            cpu[(p, c)] = cpu.get((p, c), 0.0) + cpu_seconds(pids[p]) - start
                         samples.setdefault((name, c), []).extend(lat)
                         errors[name] += errs
-            rss_idle = rss_mb(extproc_pid)
+            rss_idle = rss_mb(pids["extproc"])
             session, tasks = await open_streams(stack.base_url, args.streams)
             await asyncio.sleep(1)
-            rss_open = rss_mb(extproc_pid)
+            rss_open = rss_mb(pids["extproc"])
             streams_open = stack.metric("modeldock_extproc_streams")
             for t in tasks:
                 t.cancel()
@@ -165,17 +166,23 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{pct(g, 50) - pct(e, 50):+.2f} / {pct(g, 99) - pct(e, 99):+.2f}",
             f"{pct(g, 50) / pct(e, 50):.2f}x",
         ])
-    per_k = {k: v / gateway_requests * 1000 for k, v in cpu.items()}
+    per_k = {k: v / sent[k[1]] * 1000 for k, v in cpu.items()}
+    cpu_rows = [[c, f"{per_k[('extproc', c)]:.3f}", f"{per_k[('envoy', c)]:.3f}", f"{per_k[('envoy-plain', c)]:.3f}",
+                 f"{per_k[('extproc', c)] / per_k[('envoy-plain', c)]:.2f}x"] for c in tiers]
+    total = {p: sum(v for (q, _), v in cpu.items() if q == p) / sum(sent.values()) * 1000
+             for p in ("extproc", "envoy", "envoy-plain")}
     body = "\n\n".join([
         "End-to-end latency of a one-token streamed chat completion, in ms as p50 / p99 (nearest rank), "
         f"{args.requests} requests per tier per round, {args.rounds} rounds interleaved. The backend is one "
         "simulator at 1000x speed, so nearly all of the time is the path itself.",
         table(["concurrency", "direct", "Envoy alone", "Envoy + ext_proc", "Envoy − direct", "ext_proc − Envoy",
                "gateway ÷ Envoy (p50)"], rows),
+        "CPU-seconds per 1,000 requests, by concurrency (the same requests as above, warm-up included; the "
+        "clock-tick resolution is 10 ms over a few seconds of CPU per cell):",
+        table(["concurrency", "ext_proc", "gateway's Envoy", "Envoy alone", "ext_proc ÷ Envoy alone"], cpu_rows),
         table(["measure", "value"], [
-            ["ext_proc CPU-seconds per 1,000 requests", f"{per_k['extproc']:.3f}"],
-            ["Envoy CPU-seconds per 1,000 requests (same run, for scale)", f"{per_k['envoy']:.3f}"],
-            ["ext_proc ÷ Envoy CPU", f"{per_k['extproc'] / per_k['envoy']:.2f}x"],
+            ["ext_proc CPU-seconds per 1,000 requests, all tiers", f"{total['extproc']:.3f}"],
+            ["gateway's Envoy / Envoy alone, all tiers", f"{total['envoy']:.3f} / {total['envoy-plain']:.3f}"],
             [f"ext_proc RSS idle → with {int(streams_open)} streams open", f"{rss_idle:.0f} MB → {rss_open:.0f} MB"],
             ["errors (direct / Envoy / gateway)", f"{errors['direct']} / {errors['envoy']} / {errors['gateway']}"],
         ]),

@@ -49,6 +49,7 @@ class ExtProcMetrics:
             "modeldock_request_duration_seconds", "Time from first ext_proc message to end of stream",
             buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry,
         )
+        self._by_outcome: dict[tuple[str, int], Counter] = {}  # labels() children, looked up once
         self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
         self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
         self.retries = Counter("modeldock_retries_seen",
@@ -56,7 +57,11 @@ class ExtProcMetrics:
                                registry=registry)
 
     def finished(self, flow: RequestFlow, seconds: float) -> None:
-        self.requests.labels(flow.outcome, str(flow.status)).inc()
+        key = (flow.outcome, flow.status)
+        counter = self._by_outcome.get(key)
+        if counter is None:
+            counter = self._by_outcome[key] = self.requests.labels(flow.outcome, str(flow.status))
+        counter.inc()
         if flow.outcome == "proxied":
             self.duration.observe(seconds)
             if flow.retried:

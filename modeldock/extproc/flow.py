@@ -57,18 +57,19 @@ def _headers(header_map: ep.HttpHeaders) -> list[tuple[str, str]]:
 
 
 def _status(headers: ep.HttpHeaders) -> int:
-    for key, value in _headers(headers):
-        if key == ":status":
-            return ascii_int(value) or 0
+    for h in headers.headers.headers:
+        if h.key == ":status":
+            return ascii_int(h.raw_value.decode("ascii", "replace") if h.raw_value else h.value) or 0
     return 0
 
 
 def _attributes(request: ep.ProcessingRequest) -> dict[str, str]:
-    """Envoy's attributes for this message; a missing one (no such header) is left out."""
+    """Envoy's attributes for this message; a missing one (no such header) is left out,
+    and one that is not a string reads as empty."""
     attrs = request.attributes.get(ATTRIBUTES)
     if attrs is None:
         return {}
-    return {k: v.string_value for k, v in attrs.fields.items() if v.WhichOneof("kind") == "string_value"}
+    return {k: v.string_value for k, v in attrs.fields.items()}
 
 
 def _check_route(head: RequestHead) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Mapping
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 from modeldock.errors import Rejection
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
@@ -73,15 +72,19 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None) 
     (Envoy ignores the mutation), but it must carry one for `clear_route_cache` to
     take effect, so that the route is matched again with the metadata present.
     """
-    common = ep.CommonResponse(clear_route_cache=True)
+    response = ep.ProcessingResponse()
+    common = response.request_body.response
+    common.clear_route_cache = True
     common.header_mutation.SetInParent()
-    route: dict[str, str] = {"cluster": cluster}
+    # Filled field by field: Struct.update is several times slower.
+    fields = response.dynamic_metadata.fields
+    route = fields[ROUTE_NAMESPACE].struct_value.fields
+    route["cluster"].string_value = cluster
     if body is not None:
         common.body_mutation.body = body
-        route["content_length"] = str(len(body))
-    metadata = struct_pb2.Struct()
-    metadata.update({ROUTE_NAMESPACE: route, LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
-    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+        route["content_length"].string_value = str(len(body))
+    fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoints
+    return response
 
 
 def continue_response_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:

@@ -42,6 +42,7 @@ class Seen:
     answered_at: list[float] = field(default_factory=list)
     ended_at: float = 0.0
     raw: list[bytes] = field(default_factory=list)
+    header_names: list[list[str]] = field(default_factory=list)
 
 
 # How the scripted servicer answers a body message: (request) -> response.
@@ -63,6 +64,8 @@ class ScriptedExtProc:
                 request = parse_request(raw)
                 kind = request.WhichOneof("request")
                 seen.kinds.append(kind)
+                if kind in ("request_headers", "response_headers"):
+                    seen.header_names.append([h.key for h in getattr(request, kind).headers.headers])
                 attrs = request.attributes.get(ATTRS)
                 seen.attributes.append(json_format.MessageToDict(attrs) if attrs is not None else {})
                 if kind == "request_body":
@@ -335,10 +338,20 @@ async def test_content_length_follows_a_rewritten_body(rig: Rig) -> None:
 
 
 async def test_models_route_sends_request_headers(rig: Rig) -> None:
-    r = await rig.post(body=None, method="GET", path="/v1/models")
+    r = await rig.post(body=None, method="GET", path="/v1/models",
+                       headers=[("authorization", "Bearer k"), ("x-other", "1"), ("x-request-id", "r-1")])
     # The scripted servicer answers headers with "continue", so the route's own reply follows.
     assert r.status_code == 404
-    assert rig.extproc.streams[0].kinds == ["request_headers"]
+    (stream,) = rig.extproc.streams
+    assert stream.kinds == ["request_headers"]
+    # forward_rules: only the headers ext_proc reads are copied into the message.
+    assert sorted(stream.header_names[0]) == [":method", ":path", "authorization", "x-request-id"]
+
+
+async def test_only_the_status_of_the_response_headers_is_sent(rig: Rig) -> None:
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
+    assert (await rig.post()).status_code == 200
+    assert rig.extproc.streams[0].header_names == [[":status"]]
 
 
 async def test_a_body_over_the_buffer_limit_is_refused_by_envoy(rig: Rig) -> None:
