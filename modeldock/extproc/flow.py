@@ -149,6 +149,7 @@ class RequestFlow:
         if config.upstream_name != model:
             data["model"] = config.upstream_name
             new_body = json.dumps(data, separators=(",", ":")).encode()
+        self._gateway.check_dispatchable(model)
         self.ticket = await self._gateway.admission.admit(tenant, model)
         # No await from here on: pick and count happen in one step.
         pick = self._gateway.pick(model)

@@ -66,12 +66,18 @@ class Gateway:
     def visible_models(self, tenant: TenantConfig) -> list[str]:
         return [name for name in self._models if tenant.allows(name)]
 
-    def pick(self, model: str) -> Pick:
-        """Check freshness, then choose and count in one synchronous step."""
+    def check_dispatchable(self, model: str) -> None:
+        """Raise 503 if no pick could succeed now: asked before admission, so a request
+        that cannot be served does not use up the tenant's rate limit."""
         if model in self.stale_models or self._xds_down_for() > self.stale_after:
             raise Unavailable(
                 f"The endpoint snapshot for model `{model}` is stale: discovery has not confirmed it "
                 f"for over {self.stale_after:g}s, so the gateway is not dispatching. Retry shortly.",
                 code="endpoint_snapshot_stale",
             )
+        self.picker.require_endpoints(model)
+
+    def pick(self, model: str) -> Pick:
+        """Check freshness, then choose and count in one synchronous step."""
+        self.check_dispatchable(model)
         return self.picker.pick(model)

@@ -205,12 +205,17 @@ class Picker:
 
     # -- picking ---------------------------------------------------------
 
-    def pick(self, model: str) -> Pick:
-        started = perf_counter()
+    def require_endpoints(self, model: str) -> tuple[Endpoint, ...]:
+        """The model's endpoints; 503 (counted as `no_endpoints`) when there are none."""
         candidates = self._endpoints.get(model)
         if not candidates:
             self._metrics.outcome["no_endpoints"].inc()
             raise Unavailable(f"No ready endpoints for model {model!r}.", code="no_ready_endpoints")
+        return candidates
+
+    def pick(self, model: str) -> Pick:
+        started = perf_counter()
+        candidates = self.require_endpoints(model)
         count = 1 + self._fallbacks
         if isinstance(self._policy, RoundRobin):
             ranked = self._round_robin(model, candidates, count)

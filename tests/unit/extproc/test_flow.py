@@ -261,3 +261,21 @@ async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> 
     assert hdrs["x-ratelimit-remaining-requests"] == "0"
     fourth.finish()
     assert admission.in_flight("acme") == 0
+
+
+async def test_a_request_that_cannot_be_served_keeps_its_rate_limit_quota() -> None:
+    clock = FakeClock()
+    data = dict(CONFIG, tenants=[{"id": "acme", "api_key_hashes": [hash_key(KEY)], "models": ["llama-*"],
+                                  "requests_per_minute": 1}])
+    config = parse_config(data)
+    gw = Gateway(config, clock, Picker(clock), Admission(config, clock))
+    # No endpoints yet, then a stale snapshot: both 503, neither counted against the minute's 1 request.
+    assert error_of(await RequestFlow(gw).handle(post({"model": "llama-8b"})))["code"] == "no_ready_endpoints"
+    gw.on_endpoints("llama-8b", (Endpoint("10.0.0.1", 8000),))
+    gw.on_status(frozenset({"llama-8b"}))
+    assert error_of(await RequestFlow(gw).handle(post({"model": "llama-8b"})))["code"] == "endpoint_snapshot_stale"
+    gw.on_status(frozenset())
+    flow = RequestFlow(gw)
+    assert route_of(await flow.handle(post({"model": "llama-8b"})))[0] == "model:llama-8b"
+    flow.finish()
+    assert error_of(await RequestFlow(gw).handle(post({"model": "llama-8b"})))["code"] == "rate_limit_exceeded"
