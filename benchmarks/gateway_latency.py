@@ -1,26 +1,32 @@
 """Added latency of the gateway, side by side in one run.
 
-Three paths to the same simulator, interleaved round by round so machine noise
+Four paths to the same simulator, interleaved round by round so machine noise
 hits them alike:
   direct         client -> simulator
   envoy          client -> Envoy (static cluster, no ext_proc) -> simulator
+  floor          client -> Envoy with modeldock's bootstrap (+ xDS) and an ext_proc
+                 that answers with constant messages (grpc.aio, no modeldock logic)
   gateway        client -> Envoy + modeldock ext_proc (+ xDS) -> simulator
+floor vs gateway is what modeldock's own code costs; envoy vs floor is the price
+of any Python grpc.aio ext_proc on this design (2 messages per request).
 Reports end-to-end p50/p99 of a one-token streamed completion at several
 concurrencies, ext_proc CPU-seconds per 1,000 requests (Envoy's for scale), and
 ext_proc RSS with 1,000 streams open.
 
-    .venv/bin/python benchmarks/gateway_latency.py [--requests 300] [--rounds 3]
+    .venv/bin/python benchmarks/gateway_latency.py [--requests 500] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import aiohttp
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -28,8 +34,8 @@ from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.bench import BenchOptions, run_benchmark  # noqa: E402
 from modeldock.bench.metrics import e2e  # noqa: E402
-from modeldock.envoy import envoy_binary  # noqa: E402
-from modeldock.up import Supervisor, free_port  # noqa: E402
+from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap  # noqa: E402
+from modeldock.up import Child, Supervisor, free_port  # noqa: E402
 from tests.support.stack import API_KEY, Stack, running_stack, wait_until  # noqa: E402
 
 
@@ -62,6 +68,51 @@ static_resources:
       cluster_name: sim
       endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {sim}}}}}}}}}]}}]
 """
+
+
+async def serve_floor(route_to: str) -> None:
+    """An ext_proc that routes every request to `route_to` with constant answers."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from modeldock.extproc import responses
+    from modeldock.extproc.wire import add_servicer
+
+    body = responses.route_request_body("model:demo-model", route_to)
+    headers = responses.continue_response_headers()
+
+    class Floor(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, _requests, context):  # type: ignore[no-untyped-def]  # noqa: N802
+            while (request := await context.read()) is not grpc.aio.EOF:
+                kind = request.WhichOneof("request")
+                await context.write(body if kind == "request_body" else
+                                    headers if kind == "response_headers" else responses.continue_other(request))
+
+    server = grpc.aio.server()
+    add_servicer(Floor(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+def start_floor(sup: Supervisor, stack: Stack, tmp: Path) -> tuple[str, int, int]:
+    """The floor ext_proc and an Envoy with the gateway's bootstrap in front of it; (url, ext_proc pid, envoy pid)."""
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-floor", stack.sims[0].address], stdout=subprocess.PIPE,
+                            text=True)
+    sup.children.append(Child("floor-extproc", proc, tmp / "floor-extproc.log"))  # type: ignore[arg-type]
+    extproc_port = int(proc.stdout.readline())  # type: ignore[union-attr]
+    gateway_bootstrap = yaml.safe_load((stack.run_dir / "envoy.yaml").read_text())
+    xds = next(c for c in gateway_bootstrap["static_resources"]["clusters"] if c["name"] == "modeldock_xds")
+    xds_port = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"]
+    port, admin = free_port(), free_port()
+    path = tmp / "floor.yaml"
+    path.write_text(render_bootstrap(BootstrapOptions(listen_port=port, admin_port=admin, xds_port=xds_port,
+                                                      extproc_port=extproc_port, node_id="modeldock-floor")))
+    envoy = sup.start("envoy-floor", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--log-level", "warn"])
+    wait_until(lambda: _up(f"http://127.0.0.1:{admin}/ready"), 20, what="floor Envoy")
+    return f"http://127.0.0.1:{port}/v1", proc.pid, envoy.proc.pid
 
 
 def pid_of(stack: Stack, name: str) -> int:
@@ -118,15 +169,18 @@ async def main_async(args: argparse.Namespace) -> None:
         sup.start("envoy-plain", [envoy_binary(), "-c", str(plain), "--use-dynamic-base-id", "--log-level", "warn"])
         try:
             wait_until(lambda: _up(f"http://127.0.0.1:{envoy_admin}/ready"), 20, what="plain Envoy")
+            floor_url, floor_pid, floor_envoy_pid = start_floor(sup, stack, Path(tmp))
             paths = {
                 "direct": (f"{sim.url}/v1", None),
                 "envoy": (f"http://127.0.0.1:{envoy_port}/v1", None),
+                "floor": (floor_url, None),
                 "gateway": (stack.base_url, API_KEY),
             }
             pids = {"extproc": pid_of(stack, "extproc"), "envoy": pid_of(stack, "envoy"),
-                    "envoy-plain": next(c.proc.pid for c in sup.children if c.name == "envoy-plain")}
-            # The process whose CPU each path's requests are charged to.
-            charged = {"envoy": ("envoy-plain",), "gateway": ("extproc", "envoy")}
+                    "envoy-plain": next(c.proc.pid for c in sup.children if c.name == "envoy-plain"),
+                    "floor": floor_pid, "envoy-floor": floor_envoy_pid}
+            # The processes whose CPU each path's requests are charged to.
+            charged = {"envoy": ("envoy-plain",), "floor": ("floor", "envoy-floor"), "gateway": ("extproc", "envoy")}
             samples: dict[tuple[str, int], list[float]] = {}
             errors: dict[str, int] = {name: 0 for name in paths}
             cpu: dict[tuple[str, int], float] = {}
@@ -156,32 +210,39 @@ async def main_async(args: argparse.Namespace) -> None:
 
     rows = []
     for c in tiers:
-        d, e, g = (samples[(n, c)] for n in ("direct", "envoy", "gateway"))
+        d, e, f, g = (samples[(n, c)] for n in ("direct", "envoy", "floor", "gateway"))
         rows.append([
             c,
             f"{pct(d, 50):.2f} / {pct(d, 99):.2f}",
             f"{pct(e, 50):.2f} / {pct(e, 99):.2f}",
+            f"{pct(f, 50):.2f} / {pct(f, 99):.2f}",
             f"{pct(g, 50):.2f} / {pct(g, 99):.2f}",
             f"{pct(e, 50) - pct(d, 50):+.2f} / {pct(e, 99) - pct(d, 99):+.2f}",
             f"{pct(g, 50) - pct(e, 50):+.2f} / {pct(g, 99) - pct(e, 99):+.2f}",
-            f"{pct(g, 50) / pct(e, 50):.2f}x",
+            f"{pct(f, 50) - pct(e, 50):+.2f} / {pct(f, 99) - pct(e, 99):+.2f}",
+            f"{pct(g, 50) - pct(f, 50):+.2f} / {pct(g, 99) - pct(f, 99):+.2f}",
         ])
     per_k = {k: v / sent[k[1]] * 1000 for k, v in cpu.items()}
-    cpu_rows = [[c, f"{per_k[('extproc', c)]:.3f}", f"{per_k[('envoy', c)]:.3f}", f"{per_k[('envoy-plain', c)]:.3f}",
-                 f"{per_k[('extproc', c)] / per_k[('envoy-plain', c)]:.2f}x"] for c in tiers]
+    cpu_rows = [[c, f"{per_k[('extproc', c)]:.3f}", f"{per_k[('floor', c)]:.3f}",
+                 f"{per_k[('extproc', c)] / per_k[('floor', c)]:.2f}x", f"{per_k[('envoy', c)]:.3f}",
+                 f"{per_k[('envoy-plain', c)]:.3f}"] for c in tiers]
     total = {p: sum(v for (q, _), v in cpu.items() if q == p) / sum(sent.values()) * 1000
-             for p in ("extproc", "envoy", "envoy-plain")}
+             for p in ("extproc", "floor", "envoy", "envoy-plain")}
     body = "\n\n".join([
         "End-to-end latency of a one-token streamed chat completion, in ms as p50 / p99 (nearest rank), "
         f"{args.requests} requests per tier per round, {args.rounds} rounds interleaved. The backend is one "
-        "simulator at 1000x speed, so nearly all of the time is the path itself.",
-        table(["concurrency", "direct", "Envoy alone", "Envoy + ext_proc", "Envoy − direct", "ext_proc − Envoy",
-               "gateway ÷ Envoy (p50)"], rows),
+        "simulator at 1000x speed, so nearly all of the time is the path itself. `floor` is the gateway's own "
+        "Envoy bootstrap with an ext_proc that answers every message with a constant (grpc.aio, no modeldock "
+        "logic): what any Python ext_proc costs on this two-message design.",
+        table(["concurrency", "direct", "Envoy alone", "floor", "gateway", "Envoy − direct", "gateway − Envoy",
+               "floor − Envoy", "gateway − floor"], rows),
         "CPU-seconds per 1,000 requests, by concurrency (the same requests as above, warm-up included; the "
         "clock-tick resolution is 10 ms over a few seconds of CPU per cell):",
-        table(["concurrency", "ext_proc", "gateway's Envoy", "Envoy alone", "ext_proc ÷ Envoy alone"], cpu_rows),
+        table(["concurrency", "modeldock ext_proc", "floor ext_proc", "modeldock ÷ floor", "gateway's Envoy",
+               "Envoy alone"], cpu_rows),
         table(["measure", "value"], [
-            ["ext_proc CPU-seconds per 1,000 requests, all tiers", f"{total['extproc']:.3f}"],
+            ["ext_proc CPU-seconds per 1,000 requests, all tiers (floor ext_proc)",
+             f"{total['extproc']:.3f} ({total['floor']:.3f})"],
             ["gateway's Envoy / Envoy alone, all tiers", f"{total['envoy']:.3f} / {total['envoy-plain']:.3f}"],
             [f"ext_proc RSS idle → with {int(streams_open)} streams open", f"{rss_idle:.0f} MB → {rss_open:.0f} MB"],
             ["errors (direct / Envoy / gateway)", f"{errors['direct']} / {errors['envoy']} / {errors['gateway']}"],
@@ -204,12 +265,17 @@ def _up(url: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=300, help="measured requests per tier per round")
+    parser.add_argument("--requests", type=int, default=500, help="measured requests per tier per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--streams", type=int, default=1000, help="streams held open for the RSS figure")
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/benchmarks.md")
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--serve-floor", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_floor:
+        asyncio.run(serve_floor(args.serve_floor))
+        return
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
