@@ -42,7 +42,8 @@ def cmd_extproc(args: argparse.Namespace) -> int:
     from modeldock.extproc.app import ExtProcOptions, serve
 
     config = _load(args.config)
-    options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config))
+    options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config),
+                             drain_delay=args.drain_delay)
     asyncio.run(serve(config, options, args.metrics_port, args.grace))
     return 0
 
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--port", type=int, default=18001, help="gRPC port (default 18001)")
     ext.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     ext.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM (default 30)")
+    ext.add_argument("--drain-delay", type=float, default=0.0,
+                     help="on SIGTERM, report NOT_SERVING to gRPC health checks and keep taking new streams this "
+                          "many seconds before draining, so Envoy moves new requests to other replicas (default 0)")
     ext.set_defaults(func=cmd_extproc)
 
     env = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this control plane")

@@ -20,6 +20,7 @@ from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
+from modeldock.health import Health
 from modeldock.config import RoutingConfig
 from modeldock.picking import Picker
 from modeldock.process import run_until_signalled
@@ -38,6 +39,9 @@ class ExtProcOptions:
     port: int = 18001
     config_path: Path | None = None  # re-read when it changes (tenants, keys, limits)
     reload_interval: float = 1.0
+    # On SIGTERM, report NOT_SERVING and keep serving new streams this long before
+    # draining, so Envoy's health checks move new requests to other replicas first.
+    drain_delay: float = 0.0
 
 
 class ExtProcMetrics:
@@ -130,6 +134,7 @@ class ExtProcServer:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.bound_port = 0
+        self.health = Health("envoy.service.ext_proc.v3.ExternalProcessor")
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
@@ -139,10 +144,19 @@ class ExtProcServer:
         freeze_startup_objects()
         self._server = grpc.aio.server()
         add_servicer(self.servicer, self._server)
+        self.health.add_to(self._server)
+        await self.health.set_serving(False)
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
+        self._tasks.append(asyncio.create_task(self._serving_when_synced(), name="health"))
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",
                  self.options.host, self.bound_port, self.options.xds_target)
+
+    async def _serving_when_synced(self) -> None:
+        # Until the first endpoints arrive every request would get a 503: not ready yet.
+        await self.xds.synced.wait()
+        if not self._draining:
+            await self.health.set_serving(True)
 
     async def _watch_config(self, path: Path) -> None:
         def stamp() -> tuple[int, int] | None:
@@ -169,7 +183,14 @@ class ExtProcServer:
             self.gateway.apply_config(config)
             log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
 
+    _draining = False
+
     async def stop(self, grace: float = 10.0) -> None:
+        self._draining = True
+        await self.health.shutdown()
+        if self.options.drain_delay > 0 and self._server is not None:
+            log.info("ext_proc reports NOT_SERVING; still taking streams for %.1fs", self.options.drain_delay)
+            await asyncio.sleep(self.options.drain_delay)
         # Let in-flight streams finish: killing ext_proc aborts every HTTP stream
         # that Envoy still routes through it (failure_mode_allow is false).
         if self._server is not None:

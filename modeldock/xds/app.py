@@ -15,6 +15,7 @@ from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ModelConfig
 from modeldock.discovery.snapshot import SnapshotStore
 from modeldock.discovery.static import StaticDiscovery
+from modeldock.health import Health
 from modeldock.process import run_until_signalled
 from modeldock.xds.builder import ResourceBuilder
 from modeldock.xds.cache import ResourceCache
@@ -73,6 +74,7 @@ class XdsServer:
                                        started_at=self.clock.monotonic())
         # Streams are held until the first rebuild after discovery's first list (see start).
         self.servicer = AdsServicer(self.cache, self.metrics, serving=False)
+        self.health = Health("envoy.service.discovery.v3.AggregatedDiscoveryService")
         self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
         self._stale: frozenset[str] = frozenset()
@@ -104,6 +106,8 @@ class XdsServer:
         # grows to 30 s), so it is answered as soon as the first list is in.
         self._server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.servicer, self._server)
+        self.health.add_to(self._server)
+        await self.health.set_serving(False)
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
         log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
@@ -124,6 +128,7 @@ class XdsServer:
         self.store.subscribe(lambda _snapshot: self._schedule_rebuild())
         self._tasks.append(asyncio.create_task(self._tick(), name="staleness"))
         self.servicer.start_serving()
+        await self.health.set_serving(True)
         log.info("xDS server serving (EDS version %s)", self.cache.current.versions.get(ENDPOINT_TYPE))
 
     async def _initial_sync(self, models: list[ModelConfig], timeout: float = 5.0) -> None:
@@ -152,6 +157,7 @@ class XdsServer:
             self.rebuild()
 
     async def stop(self, grace: float = 2.0) -> None:
+        await self.health.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

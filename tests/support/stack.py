@@ -176,6 +176,7 @@ def running_stack(
     xds_args: Sequence[str] = (),
     extproc_replicas: int = 1,
     extproc_env: Mapping[str, str] | None = None,
+    extproc_args: Sequence[str] = (),
     log_level: str = "debug",
 ) -> Iterator[Stack]:
     """`xds_args` are appended to the `modeldock xds` command line (e.g. `--kubeconfig PATH`).
@@ -203,7 +204,7 @@ def running_stack(
             _start(sup, "extproc" if i == 0 else f"extproc-{i}",
                    [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
                     "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
-                    "--metrics-port", str(em), "--grace", "2"], extproc_env)
+                    "--metrics-port", str(em), "--grace", "2", *extproc_args], extproc_env)
         bootstrap = run_dir / "envoy.yaml"
         bootstrap.write_text(render_bootstrap(BootstrapOptions(
             listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
