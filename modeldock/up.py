@@ -114,8 +114,19 @@ def envoy_ready(admin: str, config: Config) -> bool:
     status, body = _get(f"{admin}/clusters?format=json")
     if status != 200:
         return False
-    hosts = {c["name"]: len(c.get("host_statuses", [])) for c in json.loads(body).get("cluster_statuses", [])}
-    return all(hosts.get(cluster_name(m.name), 0) > 0 for m in config.models)
+    clusters = {c["name"]: c.get("host_statuses", []) for c in json.loads(body).get("cluster_statuses", [])}
+    # Every ext_proc replica has passed Envoy's gRPC health check (it is in sync with xDS).
+    extproc = clusters.get("modeldock_extproc", [])
+    if not extproc or any(h.get("health_status", {}).get(flag) for h in extproc
+                          for flag in ("failed_active_health_check", "pending_active_hc")):
+        return False
+    # Two passes per replica: right after its first pass, Envoy was seen to send a whole
+    # burst of streams to one replica (the e2e admission tests rely on an even spread).
+    status, body = _get(f"{admin}/stats?filter=^cluster.modeldock_extproc.health_check.success$")
+    passes = int(body.decode().rpartition(": ")[2] or 0) if status == 200 else 0
+    if passes < 2 * len(extproc):
+        return False
+    return all(clusters.get(cluster_name(m.name)) for m in config.models)
 
 
 class _Stop(Exception):

@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ def back_to_normal(env: Env) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def extproc_health(stack: Stack) -> str:
+    """Envoy's view of the ext_proc replicas, for failure messages."""
+    return urllib.request.urlopen(f"{stack.admin_url}/stats?filter=modeldock_extproc.health_check",  # noqa: S310
+                                  timeout=2).read().decode()
 
 
 def extproc_logs(stack: Stack) -> list[Path]:
@@ -262,7 +269,7 @@ def test_two_replicas_share_one_limit(env: Env) -> None:
     for d in per_replica:
         # Each replica saw more requests than the limit, so only the shared window can have held
         # the total to the limit (a per-replica window would have admitted up to 2x).
-        assert d["admitted"] + d["rate_limited"] > SHARED_LIMIT, per_replica
+        assert d["admitted"] + d["rate_limited"] > SHARED_LIMIT, (per_replica, extproc_health(stack))
 
 
 def test_tenant_and_model_limits_together(env: Env) -> None:
