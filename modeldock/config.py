@@ -100,6 +100,9 @@ class WeightsConfig(_Strict):
     kv: Annotated[float, Field(ge=0)] = 0.3
     running: Annotated[float, Field(ge=0)] = 0.15
     in_flight: Annotated[float, Field(ge=0)] = 0.15
+    # Prefix affinity, beside the load weights (normalised to a total of 1):
+    # score = (1 - p) * load + p * prefix_miss, p = prefix / (1 + prefix).
+    prefix: Annotated[float, Field(ge=0)] = 0.25
 
     @model_validator(mode="after")
     def _some_weight(self) -> WeightsConfig:

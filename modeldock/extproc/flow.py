@@ -33,6 +33,7 @@ from modeldock.extproc.request import (
 )
 from modeldock.admission.limits import Ticket
 from modeldock.picking import Lease
+from modeldock.picking.prefix import prompt_blocks
 from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
@@ -150,9 +151,10 @@ class RequestFlow:
             data["model"] = config.upstream_name
             new_body = json.dumps(data, separators=(",", ":")).encode()
         self._gateway.check_dispatchable(model)
+        prefix = prompt_blocks(data)
         self.ticket = await self._gateway.admission.admit(tenant, model)
         # No await from here on: pick and count happen in one step.
-        pick = self._gateway.pick(model)
+        pick = self._gateway.pick(model, prefix)
         self.lease = pick.lease
         self.primary = pick.primary.address
         self._phase = Phase.UPSTREAM

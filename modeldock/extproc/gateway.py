@@ -5,7 +5,7 @@ Plain Python, no gRPC. `RequestFlow` asks it questions; the ADS client feeds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission
@@ -77,7 +77,7 @@ class Gateway:
             )
         self.picker.require_endpoints(model)
 
-    def pick(self, model: str) -> Pick:
+    def pick(self, model: str, prefix: Sequence[int] = ()) -> Pick:
         """Check freshness, then choose and count in one synchronous step."""
         self.check_dispatchable(model)
-        return self.picker.pick(model)
+        return self.picker.pick(model, prefix)

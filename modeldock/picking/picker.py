@@ -20,6 +20,7 @@ from modeldock.discovery.snapshot import Endpoint
 from modeldock.errors import Unavailable
 from modeldock.picking.metrics import EndpointRow, PickerMetrics
 from modeldock.picking.policies import RoundRobin, ScoredPolicy, make_policy
+from modeldock.picking.prefix import PrefixIndex
 from modeldock.picking.saturation import Saturation
 from modeldock.picking.scorers import Scorer, default_scorers
 from modeldock.picking.signals import Load, Sample, Signals
@@ -87,6 +88,10 @@ class Picker:
     near_tie: `default` only: candidates scoring within this of the best, with
       no more requests in flight, are equal, and the least recently picked of
       them is the primary (0: exact ties only).
+    prefix_weight: `default` only: weight of prefix affinity (prefix.py) beside the
+      load scorers' total of 1: the score becomes (1 - p) * load + p * miss with
+      p = prefix_weight / (1 + prefix_weight), where some candidate has seen the
+      prompt's beginning (otherwise load alone decides). 0: off.
     rng: tie-breaks and p2c sampling; inject a seeded one in tests.
     registry: where to export metrics (None: no metrics).
     """
@@ -104,6 +109,8 @@ class Picker:
         p2c_threshold: int = 32,
         saturation: Saturation | None = None,
         near_tie: float = _NEAR_TIE,
+        prefix_weight: float = 0.0,
+        prefix_capacity: int = 200_000,
         rng: random.Random | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -115,6 +122,8 @@ class Picker:
             raise ValueError("p2c_threshold must be >= 2")
         if near_tie < 0:
             raise ValueError("near_tie must be >= 0")
+        if prefix_weight < 0:
+            raise ValueError("prefix_weight must be >= 0")
         self._clock = clock
         self._fallbacks = fallbacks
         self._stale_after = stale_after
@@ -126,6 +135,9 @@ class Picker:
         self._policy: ScoredPolicy | RoundRobin = make_policy(policy, scorers, stale_penalty)
         # Least-recently-picked among near ties: only `default` (the others keep random ties).
         self._near_tie = near_tie if self._policy.name == "default" else None
+        # Prefix affinity: `default` only, like near_tie (the others are comparison baselines).
+        self._prefix_share = prefix_weight / (1.0 + prefix_weight) if self._policy.name == "default" else 0.0
+        self._prefix = PrefixIndex(prefix_capacity) if self._prefix_share > 0 else None
         self._seq = 0  # picks (and moves) so far: every claim's sequence number
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self._served: dict[str, str] = {}
@@ -144,7 +156,11 @@ class Picker:
         reports in its metrics' model_name label (default: `model`)."""
         self._endpoints[model] = tuple(dict.fromkeys(endpoints))
         self._served[model] = served_name or model
+        before = self._live
         self._live = frozenset(ep for eps in self._endpoints.values() for ep in eps)
+        if self._prefix is not None:
+            for ep in before - self._live:
+                self._prefix.forget(ep)
         for ep in [ep for ep, load in self._loads.items() if ep not in self._live and load.in_flight == 0]:
             del self._loads[ep]
 
@@ -213,44 +229,54 @@ class Picker:
             raise Unavailable(f"No ready endpoints for model {model!r}.", code="no_ready_endpoints")
         return candidates
 
-    def pick(self, model: str) -> Pick:
+    def pick(self, model: str, prefix: Sequence[int] = ()) -> Pick:
+        """`prefix`: the prompt's block hashes (prefix.prompt_blocks), for prefix affinity."""
         started = perf_counter()
         candidates = self.require_endpoints(model)
         count = 1 + self._fallbacks
+        prefix = prefix if self._prefix is not None else ()
         if isinstance(self._policy, RoundRobin):
             ranked = self._round_robin(model, candidates, count)
         elif len(candidates) > self._p2c_threshold:
-            ranked = self._two_choices(candidates, count)
+            ranked = self._two_choices(candidates, count, prefix)
         else:
-            ranked = self._rank(candidates, count)
+            ranked = self._rank(candidates, count, prefix)
         if ranked is None:
             self._metrics.outcome["saturated"].inc()
             assert self._saturation is not None
             raise self._saturation.rejection(model, len(candidates))
         primary = ranked[0]
         result = Pick(primary, tuple(ranked[1:]), Lease(self, primary, self._claim(primary)))
+        if prefix:
+            assert self._prefix is not None
+            self._prefix.record(prefix, primary)
         self._metrics.outcome["picked"].inc()
         self._metrics.latency.observe(perf_counter() - started)
         return result
 
-    def _keyed(self, endpoints: Sequence[Endpoint], now: float) -> list[_Keyed]:
+    def _keyed(self, endpoints: Sequence[Endpoint], now: float, prefix: Sequence[int] = ()) -> list[_Keyed]:
         assert not isinstance(self._policy, RoundRobin)
         score = self._policy.score
         loads = self._loads
         stale_after = self._stale_after
         saturation = self._saturation
         rand = self._rng.random
+        matched = self._prefix.matched(prefix, endpoints) if prefix and self._prefix is not None else None
+        share = self._prefix_share
         keyed = []
         for ep in endpoints:
             s = loads.get(ep, _NO_LOAD).signals(now, stale_after)
             over = saturation.over(s) if saturation is not None else False
-            keyed.append((over, score(s), rand(), ep))
+            value = score(s)
+            if matched:  # some candidate has seen this prompt's beginning
+                value = (1.0 - share) * value + share * (1.0 - matched.get(ep, 0) / len(prefix))
+            keyed.append((over, value, rand(), ep))
         return keyed
 
-    def _rank(self, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
+    def _rank(self, candidates: Sequence[Endpoint], count: int, prefix: Sequence[int] = ()) -> list[Endpoint] | None:
         """Score everyone; best first, saturated last, equal scores in random order.
         With near_tie, the least recently picked of those near the best leads."""
-        keyed = self._keyed(candidates, self._clock.monotonic())
+        keyed = self._keyed(candidates, self._clock.monotonic(), prefix)
         keyed.sort()
         if keyed[0][0]:
             return None  # even the best is saturated
@@ -281,16 +307,23 @@ class Picker:
                 lead, oldest = i, load.last_pick
         return lead
 
-    def _two_choices(self, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
+    def _two_choices(self, candidates: Sequence[Endpoint], count: int,
+                     prefix: Sequence[int] = ()) -> list[Endpoint] | None:
         """Power of two choices: the better of two random candidates is the
-        primary; the loser and a few more random ones, ranked, are fallbacks."""
+        primary; the loser and a few more random ones, ranked, are fallbacks.
+        With prefix affinity, the endpoints that saw the prompt's beginning
+        (at most OWNERS_PER_BLOCK) contend too, so affinity works in big pools."""
         drawn = self._rng.sample(candidates, min(len(candidates), count + 1))
-        keyed = self._keyed(drawn, self._clock.monotonic())
-        first, second, *rest = keyed
-        primary, other = (first, second) if first < second else (second, first)
+        contenders = drawn[:2]
+        if prefix and self._prefix is not None:
+            seen = self._prefix.matched(prefix[:1], candidates)
+            contenders = list(dict.fromkeys([*seen, *contenders]))
+        now = self._clock.monotonic()
+        ranked = sorted(self._keyed(contenders, now, prefix))
+        primary = ranked[0]
         if primary[0]:
-            return self._rank(candidates, count)  # both drawn are saturated: rare, so look at all
-        rest.append(other)
+            return self._rank(candidates, count, prefix)  # every contender is saturated: rare, so look at all
+        rest = ranked[1:] + self._keyed([ep for ep in drawn[2:] if ep not in contenders], now, prefix)
         rest.sort()
         return [primary[3], *(k[3] for k in rest[: count - 1])]
 
