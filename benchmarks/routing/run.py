@@ -7,7 +7,7 @@ rotation runs twice, the second time in reverse order, so slow drift of the shar
 every policy alike. Then:
 
 - a reference run of `shared` with client-side group affinity straight to the backends (no
-  gateway), to show what a prefix-aware policy could gain;
+  gateway), the best a prefix-aware policy could do;
 - a cross-check run (policy `default`; an idle baseline, then `bursts` and `mixed`): even-numbered
   requests are timed by this benchmark's driver, odd-numbered ones by an independent `openai`-SDK
   client in its own process, on the same schedule, and both are compared with the simulators' own
@@ -538,16 +538,20 @@ def routing_body(args: argparse.Namespace, workloads: Sequence[Workload], runs: 
         ref_text = (f" The reference run that pins each group to one backend (client-side, straight to the "
                     f"simulators, so without the gateway's few ms) reaches {pct(ref.hit_rate())} hits and a TTFT p95 "
                     f"of {ms(ref.stat('ttft', 95))} ms." if ref is not None else "")
+        d_sh, rr_sh = grid.get(("default", "shared")), grid.get(("round_robin", "shared"))
+        gain = (f" On `shared`, `default` reaches TTFT p95 {ms(d_sh.stat('ttft', 95))} ms against "
+                f"{ms(rr_sh.stat('ttft', 95))} ms for `round_robin`."
+                if d_sh is not None and rr_sh is not None else "")
         why += f"""
 
-**Prefix caching and `shared`: none of modeldock's policies is prefix-aware.** They rank endpoints by load
-only and never look at the prompt, so each group's requests are spread over all {args.backends} backends and
-every backend has to hold, or recompute, every group's {shared_w.params['prefix_tokens']}-token prefix:
+**Prefix caching and `shared`: only `default` is prefix-aware.** It hashes the first blocks of each prompt
+and prefers an endpoint that was sent the same beginning recently, within a load bound (`routing.weights.prefix`,
+see modeldock/picking/README.md), so a group's requests mostly stay on the backends that hold its
+{shared_w.params['prefix_tokens']}-token prefix. The other policies rank by load only and spread each group over
+all {args.backends} backends, which then have to hold, or recompute, every group's prefix:
 {shared_w.params['groups']} × {shared_w.params['prefix_tokens']:,} = {shared_w.params['groups'] * shared_w.params['prefix_tokens']:,} tokens against
 {args.num_gpu_blocks * 16:,} tokens of KV cache per backend, so prefixes keep evicting each other. Prefix hits:
-{hits}.{ref_text} A prefix-aware scorer (hash the first blocks of the prompt, prefer the endpoint that served
-that hash recently, within a load bound) is the missing piece; among the present policies, differences on this
-workload come from load balance alone."""
+{hits}.{gain}{ref_text}"""
     wl_lines = "\n".join(f"- **{w.name}**: {w.description}; {len(w.requests)} requests over {w.duration:g} "
                          f"simulated s ({w.duration / args.speed:.1f} s wall); parameters `{json.dumps(w.params)}`."
                          for w in workloads)
