@@ -19,7 +19,7 @@ from enum import Enum
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from modeldock.config import TenantConfig
-from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection
+from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, Unavailable
 from modeldock.extproc import responses
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.request import (
@@ -42,6 +42,7 @@ COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MODELS_PATH = "/v1/models"
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS = "upstream.address"
+CODE_DETAILS = "response.code_details"  # "via_upstream" unless Envoy wrote the reply itself
 
 
 class Phase(Enum):
@@ -164,10 +165,21 @@ class RequestFlow:
         self._phase = Phase.DONE
         self.outcome = "proxied"
         self.status = _status(request.response_headers)
-        served = _attributes(request).get(UPSTREAM_ADDRESS)
+        attrs = _attributes(request)
+        served = attrs.get(UPSTREAM_ADDRESS)
         if served and self.lease is not None:
             self.served_by = served
             self.lease.move_to(served)
+        details = attrs.get(CODE_DETAILS, "via_upstream")
+        if details != "via_upstream" and self.status >= 400:
+            # Envoy's own reply: every endpoint failed before answering (retries spent,
+            # no healthy host). Say so as an OpenAI error instead of Envoy's plain text.
+            self.outcome, self.status = "upstream_failed", Unavailable.status
+            log.warning("request %s: no endpoint of model %s answered (%s)",
+                        self.head.request_id if self.head and self.head.request_id else "-", self.model, details)
+            return responses.rejection_response(Unavailable(
+                f"No endpoint of model `{self.model}` could take the request ({details}). Retry shortly.",
+                code="upstream_unavailable", headers={"Retry-After": "1"}))
         if self.ticket is not None and self.ticket.headers:
             return responses.continue_response_headers(responses.header_mutation(self.ticket.headers))
         return responses.continue_response_headers()

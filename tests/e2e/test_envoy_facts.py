@@ -296,7 +296,7 @@ async def test_attributes_ride_on_the_body_message(rig: Rig) -> None:
     assert body_attrs["request.headers['authorization']"] == "Bearer a,Bearer b"  # joined
     assert body_attrs["request.id"] == rig.upstream.received[-1].headers["x-request-id"]
     assert response_attrs == {"upstream.address": f"127.0.0.1:{rig.ports[0]}", "request.method": "POST",
-                              "request.path": "/v1/chat/completions?x=1"}
+                              "request.path": "/v1/chat/completions?x=1", "response.code_details": "via_upstream"}
     # No Authorization header: the attribute is left out.
     await rig.post(headers=[("content-type", "application/json")])
     assert "request.headers['authorization']" not in rig.extproc.streams[-1].attributes[0]
@@ -322,7 +322,21 @@ async def test_a_bodiless_request_reaches_ext_proc_only_as_the_catch_all_reply(r
     assert not rig.upstream.received
     (stream,) = rig.extproc.streams
     assert stream.kinds == ["response_headers"]
-    assert stream.attributes[0] == {"request.method": method, "request.path": path}
+    # response.code_details tells Envoy's own replies from an upstream's ("via_upstream").
+    assert stream.attributes[0] == {"request.method": method, "request.path": path,
+                                    "response.code_details": "direct_response"}
+
+
+async def test_envoys_reply_after_every_endpoint_failed_is_told_apart(rig: Rig) -> None:
+    rig.upstream.close()  # nothing listens on either endpoint any more
+    await asyncio.sleep(0.05)
+    rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports))
+    r = await rig.post()
+    assert r.status_code == 503
+    (stream,) = rig.extproc.streams
+    assert stream.kinds == ["request_body", "response_headers"]
+    details = stream.attributes[1]["response.code_details"]
+    assert details != "via_upstream" and "connection_failure" in details
 
 
 async def test_content_length_follows_a_rewritten_body(rig: Rig) -> None:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from tests.support.stack import Stack, running_stack, wait_until
@@ -62,6 +63,27 @@ def test_failure_before_headers_moves_to_another_endpoint(stack: Stack, mode: st
     assert after[0] - before[0] + after[1] - before[1] > 0, "the failing endpoints were tried"
     assert retries(stack) > before_retries
     assert stack.metric("modeldock_retries_seen_total") > 0  # ext_proc saw it through upstream.address
+
+
+def test_every_endpoint_failing_before_headers_gives_a_clear_503(stack: Stack) -> None:
+    for sim in stack.sims:
+        sim.fault("reset_before_headers")
+    before = received(stack)
+    with pytest.raises(openai.InternalServerError) as caught:
+        stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=2)
+    err = caught.value
+    assert err.status_code == 503
+    assert isinstance(err.body, dict) and err.body["code"] == "upstream_unavailable", err.body
+    assert "demo-model" in err.body["message"] and err.body["type"] == "server_error"
+    assert err.response.headers["retry-after"] == "1"
+    assert sum(received(stack)) - sum(before) == 3, "the primary and both fallbacks were tried"
+    # A backend's own 503 (after the retries) is passed on as the backend wrote it.
+    for sim in stack.sims:
+        sim.fault("status_503")
+    with pytest.raises(openai.InternalServerError) as caught:
+        stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=2)
+    assert caught.value.status_code == 503
+    assert not (isinstance(caught.value.body, dict) and caught.value.body.get("code") == "upstream_unavailable")
 
 
 def test_backend_dying_mid_stream_is_not_retried_or_spliced(stack: Stack) -> None:

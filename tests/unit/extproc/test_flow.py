@@ -64,12 +64,14 @@ def post(payload: object | bytes, path: str = "/v1/chat/completions", key: str |
 
 
 def response(status: int, path: str = "/v1/chat/completions", method: str = "POST",
-             upstream: str | None = None) -> ep.ProcessingRequest:
+             upstream: str | None = None, details: str | None = None) -> ep.ProcessingRequest:
     msg = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])))
     values = {"request.method": method, "request.path": path}
     if upstream is not None:
         values["upstream.address"] = upstream
+    if details is not None:
+        values["response.code_details"] = details
     return attrs(msg, **values)
 
 
@@ -112,6 +114,31 @@ async def test_happy_path_picks_and_counts(gateway: Gateway) -> None:
     assert gateway.picker.in_flight(Endpoint.parse(fallback)) == 1
     assert gateway.picker.in_flight(Endpoint.parse(primary)) == 0
     flow.finish()
+    flow.finish()
+    assert gateway.picker.total_in_flight() == 0
+
+
+@pytest.mark.parametrize(("status", "details", "upstream", "converted"), [
+    (503, "upstream_reset_before_response_started{connection_failure}", "10.0.0.2:8000", True),
+    (503, "no_healthy_upstream", None, True),
+    (404, "direct_response", None, True),  # the metadata route was not matched again: never upstream
+    (503, "via_upstream", "10.0.0.2:8000", False),  # the backend's own 503 after the retries: as it is
+    (200, "via_upstream", "10.0.0.1:8000", False),
+    (503, None, None, False),  # no details attribute: treated as the backend's
+])
+async def test_envoys_own_error_replies_become_openai_errors(gateway: Gateway, status: int, details: str | None,
+                                                             upstream: str | None, converted: bool) -> None:
+    flow = RequestFlow(gateway)
+    await flow.handle(post({"model": "llama-8b"}))
+    resp = await flow.handle(response(status, upstream=upstream, details=details))
+    if converted:
+        assert status_of(resp) == 503
+        err = error_of(resp)
+        assert err["code"] == "upstream_unavailable" and "llama-8b" in err["message"] and details in err["message"]
+        assert flow.outcome == "upstream_failed"
+    else:
+        assert resp.WhichOneof("response") == "response_headers"
+        assert flow.outcome == "proxied" and flow.status == status
     flow.finish()
     assert gateway.picker.total_in_flight() == 0
 
