@@ -233,9 +233,9 @@ def main() -> None:
         (f"Skipped (not installed): {', '.join(skipped)}. " if skipped else "")
         + "Reading: this is the floor under a Python ext_proc on the most favourable path (an instant, "
         "non-streaming upstream, one Envoy worker, no other filters), before any work is done. The gateway "
-        "latency section's floor path, with modeldock's full bootstrap, a streaming simulator and the bench "
-        "client, costs about three times as much; see docs/performance.md. grpclib and uvloop are not modeldock "
-        "dependencies; modeldock uses grpc.aio as its design prescribes.",
+        "latency section's floor path, with modeldock's full bootstrap, a streaming simulator and Envoy's default "
+        "workers, costs more (about +1 ms and 0.86 CPU-ms at concurrency 1); see docs/performance.md. grpclib and "
+        "uvloop are not modeldock dependencies; modeldock uses grpc.aio as its design prescribes.",
     ])
     print(body)
     if not args.no_write:
