@@ -159,7 +159,7 @@ class RequestFlow:
         self.lease = pick.lease
         self.primary = pick.primary.address
         self._phase = Phase.UPSTREAM
-        return responses.route_request_body(cluster_name(model), pick.header_value, new_body)
+        return responses.route_request_body(cluster_name(model), pick.endpoint_list, new_body)
 
     def _on_response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         self._phase = Phase.DONE

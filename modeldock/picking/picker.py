@@ -70,7 +70,7 @@ class Pick:
     lease: Lease
 
     @property
-    def header_value(self) -> str:
+    def endpoint_list(self) -> str:
         """The override_host list: primary first, then fallbacks."""
         return ",".join(e.address for e in (self.primary, *self.fallbacks))
 

@@ -98,7 +98,7 @@ def test_fallbacks_are_distinct_and_ranked(make_picker: MakePicker, clock: FakeC
     ranked = (pick.primary, *pick.fallbacks)
     assert ranked == (eps[5], eps[4], eps[3], eps[2])
     assert len(set(ranked)) == len(ranked)
-    assert pick.header_value == ",".join(ep.address for ep in ranked)
+    assert pick.endpoint_list == ",".join(ep.address for ep in ranked)
 
 
 def test_fallbacks_capped_by_pool(make_picker: MakePicker) -> None:
