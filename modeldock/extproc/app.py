@@ -136,6 +136,7 @@ class ExtProcServer:
         self._tasks: list[asyncio.Task[None]] = []
         self.bound_port = 0
         self.health = Health("envoy.service.ext_proc.v3.ExternalProcessor")
+        self._draining = False
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
@@ -183,8 +184,6 @@ class ExtProcServer:
                 log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
             self.gateway.apply_config(config)
             log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
-
-    _draining = False
 
     async def stop(self, grace: float = 10.0) -> None:
         self._draining = True

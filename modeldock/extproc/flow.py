@@ -114,8 +114,7 @@ class RequestFlow:
             self._phase = Phase.DONE
             self.outcome, self.status = "rejected", rejection.status
             log.info(
-                "rejected request %s: %d %s (tenant=%s model=%s)",
-                self.head.request_id if self.head and self.head.request_id else "-", rejection.status,
+                "rejected request %s: %d %s (tenant=%s model=%s)", self._request_id, rejection.status,
                 rejection.code, self.tenant.id if self.tenant else "-", self.model or "-",
             )
             return responses.rejection_response(rejection)
@@ -175,8 +174,7 @@ class RequestFlow:
             # Envoy's own reply: every endpoint failed before answering (retries spent,
             # no healthy host). Say so as an OpenAI error instead of Envoy's plain text.
             self.outcome, self.status = "upstream_failed", Unavailable.status
-            log.warning("request %s: no endpoint of model %s answered (%s)",
-                        self.head.request_id if self.head and self.head.request_id else "-", self.model, details)
+            log.warning("request %s: no endpoint of model %s answered (%s)", self._request_id, self.model, details)
             return responses.rejection_response(Unavailable(
                 f"No endpoint of model `{self.model}` could take the request ({details}). Retry shortly.",
                 code="upstream_unavailable", headers={"Retry-After": "1"}))
@@ -198,6 +196,10 @@ class RequestFlow:
             raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
         self.outcome, self.status = "local_reply", status
         return responses.continue_response_headers()
+
+    @property
+    def _request_id(self) -> str:
+        return self.head.request_id if self.head and self.head.request_id else "-"
 
     @property
     def retried(self) -> bool:

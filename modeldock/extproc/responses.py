@@ -4,7 +4,7 @@ Rejection becomes an Envoy ImmediateResponse."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -40,29 +40,8 @@ def rejection_response(rejection: Rejection) -> ep.ProcessingResponse:
     return json_response(rejection.status, rejection.body(), rejection.headers)
 
 
-def header_mutation(
-    set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
-) -> ep.HeaderMutation:
-    return ep.HeaderMutation(
-        set_headers=[_header(k, v) for k, v in (set_headers or {}).items()],
-        remove_headers=list(remove),
-    )
-
-
-def continue_request_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:
-    common = ep.CommonResponse(header_mutation=mutation) if mutation else ep.CommonResponse()
-    return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
-
-
-def continue_request_body(
-    mutation: ep.HeaderMutation | None = None, body: bytes | None = None, clear_route_cache: bool = False
-) -> ep.ProcessingResponse:
-    common = ep.CommonResponse(clear_route_cache=clear_route_cache)
-    if mutation is not None:
-        common.header_mutation.CopyFrom(mutation)
-    if body is not None:
-        common.body_mutation.body = body
-    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+def header_mutation(set_headers: Mapping[str, str]) -> ep.HeaderMutation:
+    return ep.HeaderMutation(set_headers=[_header(k, v) for k, v in set_headers.items()])
 
 
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None) -> ep.ProcessingResponse:
@@ -104,5 +83,5 @@ def continue_other(request: ep.ProcessingRequest) -> ep.ProcessingResponse:
     if kind == "response_headers":
         return continue_response_headers()
     if kind == "request_body":
-        return continue_request_body()
-    return continue_request_headers()
+        return ep.ProcessingResponse(request_body=ep.BodyResponse())
+    return ep.ProcessingResponse(request_headers=ep.HeadersResponse())

@@ -32,7 +32,6 @@ STATUS_NAME = "modeldock.discovery.status"
 # Gateway API inference extension uses for the same thing).
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
-CLUSTER_HEADER = "x-modeldock-cluster"
 # ext_proc's own metadata namespace: the cluster (and a rewritten body's length).
 ROUTE_NAMESPACE = "modeldock"
 

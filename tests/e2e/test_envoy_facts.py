@@ -52,7 +52,7 @@ Answer = Callable[[ep.ProcessingRequest], ep.ProcessingResponse]
 class ScriptedExtProc:
     def __init__(self) -> None:
         self.streams: list[Seen] = []
-        self.answer: Answer = lambda _r: responses.continue_request_body()
+        self.answer: Answer = responses.continue_other
         self.body_delay = 0.0
 
     async def process(self, requests: AsyncIterator[bytes], _ctx: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
