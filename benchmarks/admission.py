@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,34 +87,38 @@ def messages(key: str) -> list[ep.ProcessingRequest]:
 # ---------------------------------------------------------------- in process: decision and flow
 
 
-async def time_decisions(admission: Admission, tenant: Any, seconds: float) -> tuple[list[int], float]:
-    """Wall ns per admit+release, and this process's CPU seconds over the run."""
+async def timed(step: Callable[[], Awaitable[None]], seconds: float) -> tuple[list[int], float]:
+    """Wall ns per call of `step`, and this process's CPU seconds over the run."""
     samples: list[int] = []
     clock = time.perf_counter_ns
     cpu = time.process_time()
     end = clock() + int(seconds * 1e9)
     while clock() < end:
         t0 = clock()
-        ticket = await admission.admit(tenant, MODEL)
-        ticket.release()
+        await step()
         samples.append(clock() - t0)
     return samples, time.process_time() - cpu
 
 
+async def time_decisions(admission: Admission, tenant: Any, seconds: float) -> tuple[list[int], float]:
+    """Per admit+release."""
+    async def step() -> None:
+        ticket = await admission.admit(tenant, MODEL)
+        ticket.release()
+
+    return await timed(step, seconds)
+
+
 async def time_flows(gw: Gateway, msgs: list[ep.ProcessingRequest], seconds: float) -> tuple[list[int], float]:
-    samples: list[int] = []
-    clock = time.perf_counter_ns
-    cpu = time.process_time()
-    end = clock() + int(seconds * 1e9)
-    while clock() < end:
-        t0 = clock()
+    """Per RequestFlow over Envoy's messages, finished."""
+    async def step() -> None:
         flow = RequestFlow(gw)
         for m in msgs:
             resp = await flow.handle(m)
         flow.finish()
-        samples.append(clock() - t0)
         assert resp.WhichOneof("response") == "response_headers", resp
-    return samples, time.process_time() - cpu
+
+    return await timed(step, seconds)
 
 
 def in_process(redis_url: str, rounds: int, seconds: float) -> tuple[dict[str, dict[str, list[int]]],
