@@ -82,7 +82,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         listen_port=args.port, admin_port=args.admin_port, xds_port=int(port_x), extproc_port=int(port_e),
         listen_host=args.listen_host, xds_host=host_x, extproc_host=host_e.strip("[]"), node_id=args.node_id,
         extproc_endpoints=extprocs if len(extprocs) > 1 else (),
-        buffer_limit=args.max_body_bytes + 1024 * 1024,
+        buffer_limit=args.max_body_bytes,
     )), end="")
     return 0
 
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--extproc", default="127.0.0.1:18001",
                      help="ext_proc host:port, or a comma-separated list of replicas")
     env.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                     help="the config's limits.max_body_bytes; Envoy buffers 1 MiB more so ext_proc answers 413")
+                     help="the config's limits.max_body_bytes; Envoy refuses larger bodies with a JSON 413")
     env.add_argument("--node-id", default="modeldock-envoy", help="Envoy node id")
     env.set_defaults(func=cmd_envoy_config)
 

@@ -11,6 +11,11 @@ from string import Template
 
 import yaml
 
+from modeldock.admission.headers import LIMIT, REMAINING, RESET
+from modeldock.extproc.responses import local_reply_config
+from modeldock.xds.resources import ROUTE_NAMESPACE
+
+ATTEMPT_LOG_CLUSTER = "modeldock_attempts_{}"
 
 def template_path() -> Path:
     here = Path(__file__).resolve().parent
@@ -31,7 +36,7 @@ class BootstrapOptions:
     xds_host: str = "127.0.0.1"
     extproc_host: str = "127.0.0.1"
     node_id: str = "modeldock-envoy"
-    buffer_limit: int = 8 * 1024 * 1024
+    buffer_limit: int = 4 * 1024 * 1024  # limits.max_body_bytes: Envoy refuses a larger body (JSON 413)
     message_timeout: str = "2s"
     num_retries: int = 2
     max_connections: int = 50_000
@@ -55,10 +60,51 @@ def _host_port(text: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def _attempt_loggers(count: int) -> str:
+    """Router upstream_log entries: a retried attempt's connection is ready; tell every replica."""
+    return json.dumps([{
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"and_filter": {"filters": [
+            {"log_type_filter": {"types": ["UpstreamPoolReady"]}},
+            {"header_filter": {"header": {"name": "x-envoy-attempt-count", "string_match": {"exact": "1"},
+                                          "invert_match": True}}},
+        ]}},
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "modeldock_attempts", "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": ATTEMPT_LOG_CLUSTER.format(i)}},
+                # Send each entry at once: the in-flight count should move now.
+                "buffer_size_bytes": 0, "buffer_flush_interval": "0.005s",
+            },
+        },
+    } for i in range(count)])
+
+
+def _attempt_log_clusters(addresses: list[tuple[str, int]]) -> str:
+    # One cluster per replica, so each one hears about every retry (the flow may be on any).
+    return "".join("  - " + json.dumps({
+        "name": ATTEMPT_LOG_CLUSTER.format(i), "type": "STATIC", "connect_timeout": "1s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": ATTEMPT_LOG_CLUSTER.format(i), "endpoints": [
+            {"lb_endpoints": json.loads(_lb_endpoints([address]))}]},
+    }) + "\n" for i, address in enumerate(addresses))
+
+
+def _ratelimit_headers() -> str:
+    return json.dumps([{"header": {"key": name, "value": f"%DYNAMIC_METADATA({ROUTE_NAMESPACE}:{name})%"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} for name in (LIMIT, REMAINING, RESET)])
+
+
 def render_bootstrap(options: BootstrapOptions) -> str:
     extproc = [_host_port(e) for e in options.extproc_endpoints] or [(options.extproc_host, options.extproc_port)]
     text = Template(template_path().read_text()).substitute(
-        {k: str(v) for k, v in options.__dict__.items()}, extproc_lb_endpoints=_lb_endpoints(extproc)
+        {k: str(v) for k, v in options.__dict__.items()}, extproc_lb_endpoints=_lb_endpoints(extproc),
+        local_reply_config=json.dumps(local_reply_config(options.buffer_limit)),
+        attempt_loggers=_attempt_loggers(len(extproc)), attempt_log_clusters=_attempt_log_clusters(extproc),
+        ratelimit_headers=_ratelimit_headers(),
     )
     yaml.safe_load(text)  # fail here, not in Envoy, if a value broke the YAML
     return text

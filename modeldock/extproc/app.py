@@ -16,6 +16,7 @@ from pathlib import Path
 from modeldock.admission.limits import Admission
 from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ConfigError, load_config
+from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
@@ -57,19 +58,22 @@ class ExtProcMetrics:
         self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
         self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
         self.retries = Counter("modeldock_retries_seen",
-                               "Requests Envoy served from a fallback endpoint after a failure before the first byte",
+                               "Retries onto a fallback endpoint that Envoy reported (failures before the first byte)",
                                registry=registry)
 
     def finished(self, flow: RequestFlow, seconds: float) -> None:
         key = (flow.outcome, flow.status)
         counter = self._by_outcome.get(key)
         if counter is None:
-            counter = self._by_outcome[key] = self.requests.labels(flow.outcome, str(flow.status))
+            # A proxied request's status is the upstream's, which ext_proc does not see: left empty.
+            status = str(flow.status) if flow.status else ""
+            counter = self._by_outcome[key] = self.requests.labels(flow.outcome, status)
         counter.inc()
         if flow.outcome == "proxied":
             self.duration.observe(seconds)
-            if flow.retried:
-                self.retries.inc()
+
+    def retried(self, _flow: RequestFlow) -> None:
+        self.retries.inc()
 
 
 def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegistry | None) -> Picker:
@@ -129,7 +133,8 @@ class ExtProcServer:
         )
         self.admission = Admission(config, self.clock, registry=self.registry)
         self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for)
-        self.servicer = ExtProcServicer(self.gateway, self.metrics.finished)
+        self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
+        self.attempts = AttemptLogServicer(self.servicer.retried)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self._server: grpc.aio.Server | None = None
@@ -146,6 +151,7 @@ class ExtProcServer:
         freeze_startup_objects()
         self._server = grpc.aio.server()
         add_servicer(self.servicer, self._server)
+        self.attempts.add_to(self._server)
         self.health.add_to(self._server)
         await self.health.set_serving(False)
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
@@ -194,7 +200,13 @@ class ExtProcServer:
         # Let in-flight streams finish: killing ext_proc aborts every HTTP stream
         # that Envoy still routes through it (failure_mode_allow is false).
         if self._server is not None:
-            await self._server.stop(grace)
+            stopping = asyncio.create_task(self._server.stop(grace))
+            # Retry reports matter while ext_proc streams are open; then the log streams
+            # (which Envoy never ends) must not hold the stop up for the whole grace period.
+            while self.servicer.open_streams and not stopping.done():
+                await asyncio.sleep(0.05)
+            self.attempts.close()
+            await stopping
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

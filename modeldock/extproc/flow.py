@@ -1,13 +1,13 @@
 """The ext_proc stream state machine: one RequestFlow per HTTP request.
 
-Envoy sends two messages per completion request (docs/envoy.md): the buffered
+Envoy sends one message per completion request (docs/envoy.md): the buffered
 request body, with the request's method, path, id and Authorization header as
-attributes (authenticate, parse, allowlist, pick), then the response headers
-(learn which endpoint served it). `GET /v1/models` is the one route whose
-request headers are sent; a request without a body reaches ext_proc only as
-Envoy's own reply, which becomes a JSON error here. The flow owns the request's
-lease and releases it exactly once, when the ext_proc stream ends, which Envoy
-makes coincide with the end of the HTTP stream.
+attributes (authenticate, parse, allowlist, pick). `GET /v1/models` is the one
+route whose request headers are sent instead. A request without a body never
+reaches ext_proc (Envoy answers it with a JSON error itself). When Envoy retries
+onto a fallback, its access log reports the new endpoint (`retried_on`). The flow
+owns the request's lease and releases it exactly once, when the ext_proc stream
+ends, which Envoy makes coincide with the end of the HTTP stream.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from enum import Enum
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from modeldock.config import TenantConfig
-from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, Unavailable
+from modeldock.errors import BadRequest, NotFound, Rejection
 from modeldock.extproc import responses
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.request import (
     RequestHead,
-    ascii_int,
     bearer_key,
     check_length,
     head_from_attributes,
@@ -32,6 +31,7 @@ from modeldock.extproc.request import (
     read_head,
 )
 from modeldock.admission.limits import Ticket
+from modeldock.discovery.snapshot import Endpoint
 from modeldock.picking import Lease
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.xds.resources import cluster_name
@@ -41,13 +41,11 @@ log = logging.getLogger("modeldock.extproc")
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MODELS_PATH = "/v1/models"
 ATTRIBUTES = "envoy.filters.http.ext_proc"
-UPSTREAM_ADDRESS = "upstream.address"
-CODE_DETAILS = "response.code_details"  # "via_upstream" unless Envoy wrote the reply itself
 
 
 class Phase(Enum):
     START = 1
-    UPSTREAM = 2
+    ROUTED = 2  # handed to Envoy with its endpoints; the stream ends with the HTTP stream
     DONE = 3
 
 
@@ -56,13 +54,6 @@ def _headers(header_map: ep.HttpHeaders) -> list[tuple[str, str]]:
         (h.key, h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value)
         for h in header_map.headers.headers
     ]
-
-
-def _status(headers: ep.HttpHeaders) -> int:
-    for h in headers.headers.headers:
-        if h.key == ":status":
-            return ascii_int(h.raw_value.decode("ascii", "replace") if h.raw_value else h.value) or 0
-    return 0
 
 
 def _attributes(request: ep.ProcessingRequest) -> dict[str, str]:
@@ -91,7 +82,7 @@ class RequestFlow:
         self.lease: Lease | None = None
         self.ticket: Ticket | None = None
         self.primary = ""
-        self.served_by = ""  # the endpoint Envoy reports, after any retries
+        self.served_by = ""  # set when Envoy reports a retry onto another endpoint
         self.outcome = "incomplete"
         self.status = 0
 
@@ -100,10 +91,6 @@ class RequestFlow:
             kind = request.WhichOneof("request")
             if kind == "request_body" and self._phase is Phase.START:
                 return await self._on_request_body(request)
-            if kind == "response_headers" and self._phase is Phase.UPSTREAM:
-                return self._on_response_headers(request)
-            if kind == "response_headers" and self._phase is Phase.START:
-                return self._on_local_reply(request)
             if kind == "request_headers" and self._phase is Phase.START:
                 return self._on_request_headers(request.request_headers)
             if self._phase is Phase.START:
@@ -157,49 +144,29 @@ class RequestFlow:
         pick = self._gateway.pick(model, prefix)
         self.lease = pick.lease
         self.primary = pick.primary.address
-        self._phase = Phase.UPSTREAM
-        return responses.route_request_body(cluster_name(model), pick.endpoint_list, new_body)
-
-    def _on_response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
-        self._phase = Phase.DONE
+        self._phase = Phase.ROUTED
         self.outcome = "proxied"
-        self.status = _status(request.response_headers)
-        attrs = _attributes(request)
-        served = attrs.get(UPSTREAM_ADDRESS)
-        if served and self.lease is not None:
-            self.served_by = served
-            self.lease.move_to(served)
-        details = attrs.get(CODE_DETAILS, "via_upstream")
-        if details != "via_upstream" and self.status >= 400:
-            # Envoy's own reply: every endpoint failed before answering (retries spent,
-            # no healthy host). Say so as an OpenAI error instead of Envoy's plain text.
-            self.outcome, self.status = "upstream_failed", Unavailable.status
-            log.warning("request %s: no endpoint of model %s answered (%s)", self._request_id, self.model, details)
-            return responses.rejection_response(Unavailable(
-                f"No endpoint of model `{self.model}` could take the request ({details}). Retry shortly.",
-                code="upstream_unavailable", headers={"Retry-After": "1"}))
-        if self.ticket is not None and self.ticket.headers:
-            return responses.continue_response_headers(responses.header_mutation(self.ticket.headers))
-        return responses.continue_response_headers()
-
-    def _on_local_reply(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
-        """Envoy answered by itself before ext_proc saw a body: say why, as JSON."""
-        self._phase = Phase.DONE
-        status = _status(request.response_headers)
-        if status == 413:  # the body overflowed Envoy's buffer
-            limit = self._gateway.max_body_bytes
-            raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes.")
-        head = self.head = head_from_attributes(_attributes(request))
-        if status == 404:
-            # Envoy's catch-all route: no body, so ext_proc never picked a route.
-            _check_route(head)
-            raise BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")
-        self.outcome, self.status = "local_reply", status
-        return responses.continue_response_headers()
+        return responses.route_request_body(cluster_name(model), pick.endpoint_list, new_body, model,
+                                            self.ticket.headers)
 
     @property
     def _request_id(self) -> str:
         return self.head.request_id if self.head and self.head.request_id else "-"
+
+    def retried_on(self, address: str) -> bool:
+        """Envoy retried the request on `address` ("ip:port") before the first byte: count it there.
+        False when nothing moved (not routed, ended, not an endpoint, or where it is counted already)."""
+        if self.lease is None or self._phase is not Phase.ROUTED:
+            return False
+        try:
+            target = Endpoint.parse(address)
+        except ValueError:
+            return False
+        if target == self.lease.endpoint:
+            return False
+        self.served_by = target.address
+        self.lease.move_to(target.address)
+        return True
 
     @property
     def retried(self) -> bool:
@@ -208,6 +175,7 @@ class RequestFlow:
 
     def finish(self) -> None:
         """The HTTP stream ended (completed, failed or cancelled). Idempotent."""
+        self._phase = Phase.DONE
         if self.lease is not None:
             self.lease.release()
         if self.ticket is not None:

@@ -1,5 +1,10 @@
-"""Build ext_proc ProcessingResponses; `rejection_response` is the one place a
-Rejection becomes an Envoy ImmediateResponse."""
+"""Build ext_proc ProcessingResponses, and the error replies Envoy writes itself.
+
+A Rejection becomes an Envoy response in one of two places, both here:
+`rejection_response` (ext_proc's ImmediateResponse) and `local_reply_config`
+(Envoy's own replies, which ext_proc never sees: a body over the limit, a request
+without a body, every endpoint failing before the first byte, ext_proc itself down).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
-from modeldock.errors import Rejection
+from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, Unavailable
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -44,12 +49,15 @@ def header_mutation(set_headers: Mapping[str, str]) -> ep.HeaderMutation:
     return ep.HeaderMutation(set_headers=[_header(k, v) for k, v in set_headers.items()])
 
 
-def route_request_body(cluster: str, endpoints: str, body: bytes | None = None) -> ep.ProcessingResponse:
+def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
+                       response_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
 
     With the header phase skipped, a body response cannot change request headers
     (Envoy ignores the mutation), but it must carry one for `clear_route_cache` to
     take effect, so that the route is matched again with the metadata present.
+    `response_headers` (the x-ratelimit-* set) and `model` are metadata too: the route
+    adds the headers to the response, and Envoy's own error reply names the model.
     """
     response = ep.ProcessingResponse()
     common = response.request_body.response
@@ -59,11 +67,74 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None) 
     fields = response.dynamic_metadata.fields
     route = fields[ROUTE_NAMESPACE].struct_value.fields
     route["cluster"].string_value = cluster
+    if model:
+        route["model"].string_value = model
+    if response_headers:
+        for key, value in response_headers.items():
+            route[key].string_value = value
     if body is not None:
         common.body_mutation.body = body
         route["content_length"].string_value = str(len(body))
     fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoints
     return response
+
+
+# Envoy's own replies, as local_reply_config mappers (CEL filters, first match wins).
+# Immediate responses from ext_proc carry details "modeldock_<status>" and pass as they are.
+_NOT_OURS = "!response.code_details.startsWith('modeldock_')"
+_COMPLETION = "(request.url_path == '/v1/chat/completions' || request.url_path == '/v1/completions')"
+_ADMITTED = f"'{ROUTE_NAMESPACE}' in metadata.filter_metadata"  # ext_proc set the route metadata
+_FALLBACK_ROUTE = f"response.code_details == 'direct_response' && !({_ADMITTED})"
+
+
+def _mapper(expression: str, rejection: Rejection) -> dict[str, object]:
+    mapper: dict[str, object] = {
+        "filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+            "expression": expression}}},
+        "status_code": rejection.status,
+        # json_format sets content-type: application/json and escapes what the
+        # %...% operators insert (a path, Envoy's details).
+        "body_format_override": {"json_format": rejection.body()},
+    }
+    if rejection.headers:
+        mapper["headers_to_add"] = [{"header": {"key": k.lower(), "value": v}, "append_action":
+                                     "OVERWRITE_IF_EXISTS_OR_ADD"} for k, v in rejection.headers.items()]
+    return mapper
+
+
+def local_reply_config(max_body_bytes: int) -> dict[str, object]:
+    """HttpConnectionManager.local_reply_config: Envoy's own error replies as OpenAI JSON errors."""
+    retry = {"Retry-After": "1"}
+    return {"mappers": [
+        _mapper("response.code_details == 'request_payload_too_large'",
+                PayloadTooLarge(f"Request body is over the limit of {max_body_bytes} bytes.")),
+        # A request without a body never reaches ext_proc; the catch-all route answers it.
+        _mapper(f"{_FALLBACK_ROUTE} && {_COMPLETION} && request.method == 'POST'",
+                BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")),
+        _mapper(f"{_FALLBACK_ROUTE} && {_COMPLETION}",
+                BadRequest("Use POST for %REQ(:PATH)%.", code="method_not_allowed")),
+        _mapper(_FALLBACK_ROUTE, NotFound("Unknown path %REQ(:PATH)%.", code="unknown_url")),
+        # ext_proc could not be reached or failed: nothing was checked, nothing was sent upstream.
+        _mapper("response.code_details.startsWith('ext_proc')", Unavailable(
+            "The gateway cannot check requests right now (%RESPONSE_CODE_DETAILS%). Retry shortly.",
+            code="gateway_unavailable", headers=retry)),
+        # Admitted (ext_proc set the route metadata), then every endpoint failed before answering.
+        _mapper(f"{_ADMITTED} && {_NOT_OURS}", Unavailable(
+            f"No endpoint of model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` could take the request "
+            "(%RESPONSE_CODE_DETAILS%). Retry shortly.", code="upstream_unavailable", headers=retry)),
+        # Anything else Envoy refuses by itself (a malformed request, a timeout): keep its status.
+        _other(f"{_NOT_OURS} && response.code >= 500", "server_error"),
+        _other(_NOT_OURS, "invalid_request_error"),
+    ]}
+
+
+def _other(expression: str, error_type: str) -> dict[str, object]:
+    rejection = Rejection("%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", code="gateway_error")
+    rejection.type = error_type
+    mapper = _mapper(expression, rejection)
+    del mapper["status_code"]  # Envoy's own status stands
+    return mapper
 
 
 def continue_response_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:

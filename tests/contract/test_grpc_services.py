@@ -10,6 +10,7 @@ import grpc
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import json_format, message, struct_pb2
@@ -46,13 +47,17 @@ def _body(payload: bytes, key: str | None = KEY, path: str = "/v1/completions",
     return _attributes(ep.ProcessingRequest(request_body=ep.HttpBody(body=payload, end_of_stream=True)), values)
 
 
-def _response(status: int, upstream: str | None = None, path: str = "/v1/completions",
-              method: str = "POST") -> ep.ProcessingRequest:
-    values = {"request.method": method, "request.path": path}
-    if upstream is not None:
-        values["upstream.address"] = upstream
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])
-    return _attributes(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hm)), values)
+def _retry_report(*attempts: tuple[str, str]) -> als_pb2.StreamAccessLogsMessage:
+    """What Envoy's upstream access log sends when a retry's connection is ready: (request id, ip:port)."""
+    msg = als_pb2.StreamAccessLogsMessage(identifier=als_pb2.StreamAccessLogsMessage.Identifier(
+        node=base_pb2.Node(id="envoy"), log_name="modeldock_attempts"))
+    for request_id, address in attempts:
+        host, _, port = address.rpartition(":")
+        entry = msg.http_logs.log_entry.add()
+        entry.request.request_id = request_id
+        entry.common_properties.upstream_remote_address.socket_address.address = host
+        entry.common_properties.upstream_remote_address.socket_address.port_value = int(port)
+    return msg
 
 
 def _headers(*pairs: tuple[str, str]) -> ep.ProcessingRequest:
@@ -115,35 +120,45 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             assert not common.header_mutation.set_headers and not common.header_mutation.remove_headers
             assert not common.HasField("body_mutation")
             meta = json_format.MessageToDict(first.dynamic_metadata)
-            assert meta["modeldock"] == {"cluster": "model:m"}
+            assert meta["modeldock"] == {"cluster": "model:m", "model": "m"}
             endpoints = meta["envoy.lb"]["x-gateway-destination-endpoint"].split(",")
             assert sorted(endpoints) == ["127.0.0.1:9001", "127.0.0.1:9002"]
             assert ext.picker.in_flight(Endpoint.parse(endpoints[0])) == ext.picker.total_in_flight() == 1
-            # Envoy retried on the other endpoint: the count follows it.
-            await call.write(_response(200, upstream=endpoints[1]))
-            second = await call.read()
-            assert second.WhichOneof("response") == "response_headers"
-            assert ext.picker.in_flight(Endpoint.parse(endpoints[1])) == ext.picker.total_in_flight() == 1
+            # Envoy's access log reports a retry on the other endpoint: the count follows it.
+            # A report for a request this replica does not hold changes nothing.
+            retries = ext.metrics.retries._value.get()
+            log = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+            await log.write(_retry_report(("someone-else", endpoints[0])))
+            await log.write(_retry_report(("c-1", endpoints[1])))
+            await _wait(lambda: ext.picker.in_flight(Endpoint.parse(endpoints[1])) == 1)
+            assert ext.picker.total_in_flight() == 1
+            assert ext.metrics.retries._value.get() == retries + 1
+            await log.done_writing()
+            assert isinstance(await log, als_pb2.StreamAccessLogsResponse)
             if cancel:
                 call.cancel()
             else:
                 await call.done_writing()
                 assert await call.read() is grpc.aio.EOF
             await _wait(lambda: ext.picker.total_in_flight() == 0)
+            # A report that comes after the stream ended counts nothing.
+            late = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+            await late.write(_retry_report(("c-1", endpoints[0])))
+            await late.done_writing()
+            await late
+            assert ext.picker.total_in_flight() == 0 and ext.metrics.retries._value.get() == retries + 1
 
 
 async def test_requests_that_are_not_completions(servers) -> None:
-    """The model list (the one route whose headers are sent), Envoy's own 404 for a request without a body, its
-    413 for a body over the buffer, and a message out of order: each a JSON answer, on a fresh stream each."""
+    """The model list (the one route whose headers are sent), rejected bodies, and messages out of order
+    (anything but a body or the model list's headers first): each a JSON answer, on a fresh stream each."""
     _, ext, _ = servers
     cases: list[tuple[ep.ProcessingRequest, tuple[int, str] | None]] = [
         (_headers((":method", "GET"), (":path", "/v1/models"), ("authorization", f"Bearer {KEY}")), None),
         (_headers((":method", "GET"), (":path", "/v1/models")), (401, "missing_api_key")),
-        (_response(404, path="/v1/embeddings", method="GET"), (404, "unknown_url")),
-        (_response(404, path="/v1/completions", method="GET"), (400, "method_not_allowed")),
-        (_response(404, path="/v1/completions"), (400, "invalid_body")),
-        (_response(413), (413, "request_too_large")),
+        (ep.ProcessingRequest(response_headers=ep.HttpHeaders()), (400, "invalid_request")),
         (ep.ProcessingRequest(request_trailers=ep.HttpTrailers()), (400, "invalid_request")),
+        (_body(b'{"model":"m"}', path="/v1/embeddings"), (404, "unknown_url")),
         (_body(b'{"model":"m"}', key=None), (401, "missing_api_key")),
         (_body(b'{"model":"m"}', key="wrong"), (401, "invalid_api_key")),
         # Two Authorization headers, as Envoy joins them into the attribute.
@@ -163,13 +178,6 @@ async def test_requests_that_are_not_completions(servers) -> None:
             await call.done_writing()
             assert await call.read() is grpc.aio.EOF
             assert await call.code() == grpc.StatusCode.OK
-        # Envoy's reply to something else goes on unchanged.
-        call = stub.Process()
-        await call.write(_response(503))
-        resp = await call.read()
-        assert resp.WhichOneof("response") == "response_headers"
-        assert not resp.response_headers.response.HasField("header_mutation")
-        await call.done_writing()
     assert ext.picker.total_in_flight() == 0
 
 
@@ -219,3 +227,24 @@ async def test_extproc_stops_dispatching_when_xds_is_gone_too_long(servers) -> N
     with pytest.raises(Exception) as info:
         ext.gateway.pick("m")
     assert getattr(info.value, "code", "") == "endpoint_snapshot_stale"
+
+
+async def test_stop_does_not_wait_out_the_grace_for_envoys_log_streams(tmp_path: Path) -> None:
+    """Envoy never ends its access-log streams; once no ext_proc stream is open, stopping ends them."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(DATA))
+    config = parse_config(DATA)
+    xds = XdsServer(config, XdsOptions(path, port=0, tick_seconds=0.05))
+    await xds.start()
+    ext = ExtProcServer(config, ExtProcOptions(f"127.0.0.1:{xds.bound_port}", port=0))
+    await ext.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ext.bound_port}") as channel:
+            log = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+            await log.write(_retry_report(("nobody", "127.0.0.1:9001")))
+            await _wait(lambda: ext.attempts.open_streams == 1)
+            # A grace far longer than the wait: the stop must not sit it out.
+            await asyncio.wait_for(ext.stop(60), 10)
+            assert isinstance(await log, als_pb2.StreamAccessLogsResponse)  # ended by the server, cleanly
+    finally:
+        await xds.stop(0.1)

@@ -1,4 +1,4 @@
-"""Envoy 1.40 behaviour that modeldock's two-message ext_proc design relies on.
+"""Envoy 1.40 behaviour that modeldock's one-message ext_proc design relies on.
 
 Each test runs the real bootstrap (`render_bootstrap`) with the ADS parts swapped for a
 static cluster, a scripted ext_proc servicer and a recording upstream, so a change in
@@ -24,7 +24,9 @@ from google.protobuf import json_format, message
 
 from modeldock.config import ModelConfig
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.errors import Unauthorized
 from modeldock.extproc import responses
+from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.wire import parse_request
 from modeldock.up import free_port
 from modeldock.xds.resources import build_cluster, cluster_name
@@ -148,6 +150,14 @@ def bootstrap(listen: int, admin: int, extproc: int, upstreams: list[int]) -> di
 class Reply:
     status_code: int
     text: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def error(self) -> dict[str, Any]:
+        """The OpenAI-style error body; fails unless the reply is one."""
+        assert self.headers.get("content-type") == "application/json", self.headers
+        body = json.loads(self.text)
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        return body["error"]
 
 
 async def http(port: int, method: str, path: str, headers: list[tuple[str, bytes]], body: bytes | None) -> Reply:
@@ -163,6 +173,8 @@ async def http(port: int, method: str, path: str, headers: list[tuple[str, bytes
     finally:
         writer.close()
     head, _, rest = data.partition(b"\r\n\r\n")
+    fields = dict(line.split(": ", 1) for line in head.decode("latin-1").split("\r\n")[1:])
+    fields = {k.lower(): v for k, v in fields.items()}
     if b"transfer-encoding: chunked" in head.lower():
         text = b""
         while rest:
@@ -172,7 +184,7 @@ async def http(port: int, method: str, path: str, headers: list[tuple[str, bytes
             if size == 0:
                 break
         rest = text
-    return Reply(int(head.split(b" ", 2)[1]), rest.decode("latin-1"))
+    return Reply(int(head.split(b" ", 2)[1]), rest.decode("latin-1"), fields)
 
 
 @dataclass
@@ -181,6 +193,7 @@ class Rig:
     upstream: Upstream
     ports: list[int]
     listen: int
+    retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (request id, endpoint)
 
     async def post(self, body: bytes | None = BODY, headers: list[tuple[str, str | bytes]] | None = None,
                    path: str = "/v1/chat/completions", method: str = "POST") -> Reply:
@@ -189,7 +202,7 @@ class Rig:
 
 
 def route(endpoints: str, cluster: str = cluster_name("m")) -> Answer:
-    return lambda _r: responses.route_request_body(cluster, endpoints)
+    return lambda _r: responses.route_request_body(cluster, endpoints, model="m")
 
 
 @pytest.fixture
@@ -199,6 +212,8 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     handler = grpc.stream_stream_rpc_method_handler(extproc.process)  # raw bytes both ways
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "envoy.service.ext_proc.v3.ExternalProcessor", {"Process": handler}),))
+    retries: list[tuple[str, str]] = []
+    AttemptLogServicer(lambda request_id, address: retries.append((request_id, address))).add_to(server)
     extproc_port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     upstream = Upstream()
@@ -221,7 +236,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             await asyncio.sleep(0.05)
         else:
             pytest.fail(f"Envoy did not start: {(tmp_path / 'envoy.log').read_text()[-2000:]}")
-        yield Rig(extproc, upstream, ports, listen)
+        yield Rig(extproc, upstream, ports, listen, retries)
     finally:
         if proc is not None:
             proc.terminate()
@@ -266,8 +281,8 @@ async def test_route_cache_is_cleared_only_with_a_header_mutation(rig: Rig) -> N
 
     rig.extproc.answer = without_mutation
     r = await rig.post()
-    # The route matched before the metadata existed stays: the catch-all reply.
-    assert r.status_code == 404 and not rig.upstream.received
+    # The route matched before the metadata existed stays: the catch-all reply, never upstream.
+    assert r.status_code == 503 and r.error()["code"] == "upstream_unavailable" and not rig.upstream.received
     rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
     assert (await rig.post()).status_code == 200
 
@@ -283,20 +298,18 @@ async def test_body_answer_header_mutations_are_ignored(rig: Rig) -> None:
     assert "x-from-extproc" not in rig.upstream.received[-1].headers
 
 
-async def test_attributes_ride_on_the_body_message(rig: Rig) -> None:
+async def test_attributes_ride_on_the_only_message(rig: Rig) -> None:
     rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
     r = await rig.post(headers=[("authorization", "Bearer a"), ("authorization", "Bearer b")],
                        path="/v1/chat/completions?x=1")
     assert r.status_code == 200
     (stream,) = rig.extproc.streams
-    assert stream.kinds == ["request_body", "response_headers"]
-    body_attrs, response_attrs = stream.attributes
+    assert stream.kinds == ["request_body"]  # response headers are skipped
+    (body_attrs,) = stream.attributes
     assert body_attrs["request.method"] == "POST"
     assert body_attrs["request.path"] == "/v1/chat/completions?x=1"
     assert body_attrs["request.headers['authorization']"] == "Bearer a,Bearer b"  # joined
     assert body_attrs["request.id"] == rig.upstream.received[-1].headers["x-request-id"]
-    assert response_attrs == {"upstream.address": f"127.0.0.1:{rig.ports[0]}", "request.method": "POST",
-                              "request.path": "/v1/chat/completions?x=1", "response.code_details": "via_upstream"}
     # No Authorization header: the attribute is left out.
     await rig.post(headers=[("content-type", "application/json")])
     assert "request.headers['authorization']" not in rig.extproc.streams[-1].attributes[0]
@@ -311,32 +324,77 @@ async def test_stream_stays_open_until_the_response_ends(rig: Rig) -> None:
     assert stream.ended_at - stream.answered_at[-1] >= 0.15  # the 0.2 s reply, not the last answer
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions"),
-                                              ("DELETE", "/anything")])
-async def test_a_bodiless_request_reaches_ext_proc_only_as_the_catch_all_reply(rig: Rig, method: str,
-                                                                              path: str) -> None:
+@pytest.mark.parametrize(("method", "path", "status", "code"), [
+    ("POST", "/v1/chat/completions", 400, "invalid_body"), ("POST", "/v1/completions?x=1", 400, "invalid_body"),
+    ("GET", "/v1/chat/completions", 400, "method_not_allowed"), ("DELETE", "/any\"thing", 404, "unknown_url")])
+async def test_a_bodiless_request_never_reaches_ext_proc_and_gets_a_json_error(rig: Rig, method: str, path: str,
+                                                                            status: int, code: str) -> None:
     r = await rig.post(body=None, method=method, path=path, headers=[
         ("authorization", "Bearer k"), ("x-modeldock-cluster", cluster_name("m")),
         ("x-gateway-destination-endpoint", f"127.0.0.1:{rig.ports[0]}")])
-    assert r.status_code == 404
-    assert not rig.upstream.received
-    (stream,) = rig.extproc.streams
-    assert stream.kinds == ["response_headers"]
-    # response.code_details tells Envoy's own replies from an upstream's ("via_upstream").
-    assert stream.attributes[0] == {"request.method": method, "request.path": path,
-                                    "response.code_details": "direct_response"}
+    assert (r.status_code, r.error()["code"]) == (status, code)
+    assert not rig.upstream.received and not rig.extproc.streams
+    if code != "invalid_body":
+        assert path in r.error()["message"]  # escaped by Envoy's JSON formatter
 
 
-async def test_envoys_reply_after_every_endpoint_failed_is_told_apart(rig: Rig) -> None:
+async def test_envoys_reply_after_every_endpoint_failed_is_a_json_503(rig: Rig) -> None:
     rig.upstream.close()  # nothing listens on either endpoint any more
     await asyncio.sleep(0.05)
     rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports))
     r = await rig.post()
-    assert r.status_code == 503
-    (stream,) = rig.extproc.streams
-    assert stream.kinds == ["request_body", "response_headers"]
-    details = stream.attributes[1]["response.code_details"]
-    assert details != "via_upstream" and "connection_failure" in details
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    err = r.error()
+    assert err["code"] == "upstream_unavailable" and err["type"] == "server_error"
+    assert "`m`" in err["message"] and "connection_failure" in err["message"]
+    assert rig.extproc.streams[0].kinds == ["request_body"]
+
+
+async def test_ext_procs_own_replies_pass_unchanged(rig: Rig) -> None:
+    rig.extproc.answer = lambda _r: responses.rejection_response(Unauthorized("no such key"))
+    r = await rig.post()
+    assert r.status_code == 401
+    assert r.error() == Unauthorized("no such key").body()["error"]
+
+
+async def test_ext_proc_failing_is_a_json_503(rig: Rig) -> None:
+    def fail(_r: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        raise RuntimeError("broken")
+
+    rig.extproc.answer = fail
+    r = await rig.post()
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.error()["code"] == "gateway_unavailable" and not rig.upstream.received
+
+
+async def test_a_retry_is_reported_by_the_upstream_access_log(rig: Rig) -> None:
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[1]},127.0.0.1:{rig.ports[0]}")
+    assert (await rig.post()).status_code == 200
+    await asyncio.sleep(0.1)
+    assert rig.retries == []  # first attempts are not logged
+    rig.upstream.servers[0].close()  # never connected to: the primary below refuses, Envoy retries
+    await asyncio.sleep(0.05)
+    rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports))
+    assert (await rig.post()).status_code == 200
+    got = rig.upstream.received[-1]
+    assert got.port == rig.ports[1] and got.headers["x-envoy-attempt-count"] == "2"
+    for _ in range(100):
+        if rig.retries:
+            break
+        await asyncio.sleep(0.01)
+    assert rig.retries == [(got.headers["x-request-id"], f"127.0.0.1:{rig.ports[1]}")]
+
+
+async def test_ratelimit_headers_come_from_the_route_metadata(rig: Rig) -> None:
+    limits = {"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59",
+              "x-ratelimit-reset-requests": "1s"}
+    rig.extproc.answer = lambda _r: responses.route_request_body(cluster_name("m"), f"127.0.0.1:{rig.ports[0]}",
+                                                                 model="m", response_headers=limits)
+    r = await rig.post()
+    assert r.status_code == 200 and {k: r.headers[k] for k in limits} == limits
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
+    r = await rig.post()
+    assert r.status_code == 200 and not [k for k in r.headers if k.startswith("x-ratelimit")]
 
 
 async def test_content_length_follows_a_rewritten_body(rig: Rig) -> None:
@@ -362,16 +420,10 @@ async def test_models_route_sends_request_headers(rig: Rig) -> None:
     assert sorted(stream.header_names[0]) == [":method", ":path", "authorization", "x-request-id"]
 
 
-async def test_only_the_status_of_the_response_headers_is_sent(rig: Rig) -> None:
-    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
-    assert (await rig.post()).status_code == 200
-    assert rig.extproc.streams[0].header_names == [[":status"]]
-
-
 async def test_a_body_over_the_buffer_limit_is_refused_by_envoy(rig: Rig) -> None:
     r = await rig.post(body=b"x" * 5000)
-    assert r.status_code == 413 and not rig.upstream.received
-    assert rig.extproc.streams[0].kinds == ["response_headers"]
+    assert r.status_code == 413 and r.error()["code"] == "request_too_large" and "4096" in r.error()["message"]
+    assert not rig.upstream.received and not rig.extproc.streams
 
 
 async def test_header_bytes_that_are_not_utf8_reach_ext_proc_as_is(rig: Rig) -> None:

@@ -1,25 +1,32 @@
 """Fuzzing the ext_proc state machine with random ProcessingRequest messages.
 
 Envoy's protocol (docs/envoy.md): a completion request arrives as one `request_body` message
-carrying the request's method, path, id and Authorization header as attributes, then its
-`response_headers` (with `upstream.address`); only `GET /v1/models` sends `request_headers`; a
-request without a body arrives as Envoy's own 404 (or 413) `response_headers`.
+carrying the request's method, path, id and Authorization header as attributes; only
+`GET /v1/models` sends `request_headers`. Nothing else is ever sent (the response phases are
+skipped, and Envoy answers a request without a body itself). When Envoy retries a routed request
+onto another endpoint, its access log reports that out of band: `RequestFlow.retried_on(address)`,
+or `ExtProcServicer.retried(request_id, address)` through the servicer.
 
 Random phase kinds in random order, random headers (raw and string values, arbitrary bytes),
 random bodies and random attributes (absent, non-string, arbitrary text, repeated Authorization
 headers joined with ","), and plausible requests with at most one fault, sent to `RequestFlow`
 directly (one flow, and several flows interleaved with early finishes) and through the real
-grpc.aio servicer in process, where attribute strings may also be invalid UTF-8 on the wire.
-Invariants:
+grpc.aio servicer in process, where attribute strings may also be invalid UTF-8 on the wire;
+retry reports (good, malformed and unknown addresses; known, unknown and repeated request ids)
+come at any point, before routing and after the end too. Invariants:
 
-- every answer is a ProcessingResponse of the kind asked or an immediate_response, and only the
-  first message of a stream can be answered with an immediate_response;
+- every answer is a ProcessingResponse of the kind asked or an immediate_response; the first
+  message of a stream is either routed or answered with an immediate_response, and every later
+  one gets an empty answer of its kind;
 - no exception escapes (only a task cancellation may, and that holds nothing either);
 - rejections are OpenAI-style JSON with a status that matches the error type; no header we set
   carries CR, LF or NUL; ext_proc never mutates request headers (Envoy strips them itself);
-- a request is routed (dynamic metadata with the cluster and endpoints) only when it is a POST to a
-  completion path with exactly one valid Bearer key that may use the model; the API keys appear in
-  no answer unless the client also put them where answers echo (path, body);
+- a request is routed (dynamic metadata with the cluster, the model, the endpoints and, when its
+  tenant has limits, the x-ratelimit-* values) only when it is a POST to a completion path with
+  exactly one valid Bearer key that may use the model; the API keys appear in no answer unless the
+  client also put them where answers echo (path, body);
+- each live routed request is counted on exactly one endpoint: its primary, then wherever the last
+  well-formed retry report put it; a report for anything else changes nothing;
 - after `finish()` (or the end of the gRPC stream), every in-flight count and concurrency slot is 0.
 
 The regression tests at the end pin inputs the fuzzer once found (see test_request_properties.py
@@ -31,7 +38,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -82,7 +93,9 @@ COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
 ATTR = "envoy.filters.http.ext_proc"
 AUTH = "request.headers['authorization']"
 RATELIMIT_HEADERS = {"x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"}
+DURATION = re.compile(r"\d+ms|(\d+h)?(\d+m)?\d+(\.\d+)?s")  # Go-style, as OpenAI's reset header
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+seeds = st.integers(0, 255)  # for the picker's random tie-breaks
 
 
 class FakeRedis:
@@ -109,14 +122,16 @@ class FakeRedis:
         pass
 
 
-def make_gateway(mode: str = "none", redis: FakeRedis | None = None) -> Gateway:
+def make_gateway(mode: str = "none", redis: FakeRedis | None = None, seed: int = 0) -> Gateway:
     data = json.loads(json.dumps(CONFIG))
     if mode != "none":
         data["limits"].update(redis_url="redis://fuzz.invalid:6379/0", redis_fail_open=mode == "down-open")
     config = parse_config(data)
     clock = FakeClock()
     fake = redis or FakeRedis(mode)
-    gw = Gateway(config, clock, Picker(clock), Admission(config, clock, redis_client_factory=lambda _u, _t: fake))
+    # A seeded tie-break: the same pick on every run of an example, so that a failure replays and shrinks.
+    picker = Picker(clock, rng=random.Random(seed))
+    gw = Gateway(config, clock, picker, Admission(config, clock, redis_client_factory=lambda _u, _t: fake))
     for model, endpoints in ENDPOINTS.items():
         gw.on_endpoints(model, tuple(Endpoint.parse(e) for e in endpoints))
     return gw
@@ -158,13 +173,11 @@ def body_msg(body: bytes, method: str | None = "POST", path: str | None = "/v1/c
                        {ATTR: _struct(values)})
 
 
-def response_msg(status: str, upstream: str | None = None, method: str = "POST",
-                 path: str = "/v1/completions") -> ep.ProcessingRequest:
-    values = {"request.method": method, "request.path": path}
-    if upstream is not None:
-        values["upstream.address"] = upstream
+def reply_msg(status: str, method: str = "POST", path: str = "/v1/completions") -> ep.ProcessingRequest:
+    """Response headers as the old two-message design had them (Envoy's own reply to a bodiless request
+    among them); with the response phase skipped, none may arrive first."""
     msg = _headers_msg("response_headers", _raw_headers((":status", status)), False)
-    return _with_attrs(msg, {ATTR: _struct(values)})
+    return _with_attrs(msg, {ATTR: _struct({"request.method": method, "request.path": path})})
 
 
 def models_msg(*pairs: tuple[str, str]) -> ep.ProcessingRequest:
@@ -193,9 +206,11 @@ paths = st.one_of(
                      "v1/completions", "/v1/chat/completions/x", f"/v1/completions?key={KEY}"]),
     st.text(max_size=30),
 )
+# Where Envoy reports a retry went: the model's endpoints, others, spellings of the same one, and malformed ones.
 addresses = st.one_of(
-    st.sampled_from([*ENDPOINTS["llama-8b"], *ENDPOINTS["llama-70b"], "10.0.0.9:8000", "[::1]:8000", "garbage", "",
-                     "10.0.0.1:0", "10.0.0.1:99999", "10.0.0.1:²"]),
+    st.sampled_from([*ENDPOINTS["llama-8b"], *ENDPOINTS["llama-8b"], *ENDPOINTS["llama-70b"], "10.0.0.9:8000",
+                     "[::1]:8000", "[0:0::1]:8000", " 10.0.0.2:8000", "garbage", "", "10.0.0.1:0", "10.0.0.1:99999",
+                     "10.0.0.1:²", "10.0.0.1"]),
     st.text(max_size=20),
 )
 text_values = st.one_of(
@@ -207,12 +222,19 @@ text_values = st.one_of(
 not_strings = st.one_of(st.floats(allow_nan=False), st.booleans(), st.none(),
                         st.lists(st.one_of(text_values, st.integers(-3, 3)), max_size=2),
                         st.dictionaries(st.sampled_from(["a", AUTH]), text_values, max_size=1))
+# Strategies that composites draw from are built once, here: building one per draw (and validating it) was
+# most of the data generation time, which is what makes a failure slow to shrink.
+extra_attributes = st.dictionaries(st.text(max_size=8), st.one_of(text_values, not_strings), max_size=2)
+header_how = st.sampled_from(["raw", "value", "bytes"])
+attribute_how = st.sampled_from(["absent", "string", "string", "other"])
+namespaces = st.lists(st.one_of(st.just(ATTR), st.just(ATTR), st.sampled_from(["envoy.lb", "modeldock"]),
+                                st.text(max_size=10)), max_size=2)
 
 
 @st.composite
 def header_value(draw: st.DrawFn) -> base_pb2.HeaderValue:
     key = draw(header_keys)
-    how = draw(st.sampled_from(["raw", "value", "bytes"]))
+    how = draw(header_how)
     if how == "bytes":
         raw = draw(st.binary(max_size=24))
         return base_pb2.HeaderValue(key=key, raw_value=raw)
@@ -223,7 +245,7 @@ def header_value(draw: st.DrawFn) -> base_pb2.HeaderValue:
 
 
 ATTRIBUTE_FIELDS = {"request.method": methods, "request.path": paths, "request.id": st.text(max_size=12),
-                    AUTH: auth_values, "upstream.address": addresses}
+                    AUTH: auth_values}
 
 
 @st.composite
@@ -231,20 +253,22 @@ def attribute_struct(draw: st.DrawFn) -> struct_pb2.Struct:
     """Envoy's attributes, each absent, a string, or (never from Envoy) some other JSON value."""
     values: dict[str, Any] = {}
     for name, strategy in ATTRIBUTE_FIELDS.items():
-        how = draw(st.sampled_from(["absent", "string", "string", "other"]))
+        how = draw(attribute_how)
         if how == "string":
             values[name] = draw(strategy)
         elif how == "other":
             values[name] = draw(not_strings)
-    values.update(draw(st.dictionaries(st.text(max_size=8), st.one_of(text_values, not_strings), max_size=2)))
+    values.update(draw(extra_attributes))
     return _struct(values)
+
+
+attribute_structs = attribute_struct()
 
 
 @st.composite
 def attributes(draw: st.DrawFn) -> dict[str, struct_pb2.Struct]:
-    names = draw(st.lists(st.one_of(st.just(ATTR), st.just(ATTR), st.sampled_from(["envoy.lb", "modeldock"]),
-                                    st.text(max_size=10)), max_size=2, unique=True))
-    return {name: draw(attribute_struct()) for name in names}
+    # Deduplicated here rather than by `unique=True`, whose retries make shrinking slow.
+    return {name: draw(attribute_structs) for name in dict.fromkeys(draw(namespaces))}
 
 
 payloads = st.fixed_dictionaries(
@@ -283,8 +307,6 @@ random_message = st.one_of(
               bodies(), st.booleans(), attributes()),
     st.builds(lambda h, a: _with_attrs(_headers_msg("response_headers", h, False), a),
               st.lists(header_value(), max_size=4), attributes()),
-    st.builds(lambda s, a: _with_attrs(_headers_msg("response_headers", _raw_headers((":status", s)), False), a),
-              st.sampled_from(["200", "404", "413", "503", "", "²"]), attributes()),
     st.builds(lambda b, e: ep.ProcessingRequest(response_body=ep.HttpBody(body=b, end_of_stream=e)),
               st.binary(max_size=32), st.booleans()),
     st.builds(lambda h: ep.ProcessingRequest(request_trailers=ep.HttpTrailers(trailers=base_pb2.HeaderMap(headers=h))),
@@ -296,7 +318,7 @@ random_message = st.one_of(
 
 
 # What a request should get as the answer to its first message:
-# ("routed", tenant, model) | ("models", tenant) | ("continued",) | ("rejected", status, {codes}) | None (any).
+# ("routed", tenant, model) | ("models", tenant) | ("rejected", status, {codes}) | None (any).
 Expected = tuple[Any, ...] | None
 
 
@@ -334,19 +356,22 @@ def _padded(model: str, size: int) -> bytes:
     return raw
 
 
+plausible_ids = st.one_of(st.none(), st.just("r-2"), st.text(max_size=10))
+
+
 @st.composite
 def plausible_request(draw: st.DrawFn) -> tuple[list[ep.ProcessingRequest], Expected]:
     """A good request as Envoy sends it, with at most one thing wrong, and the answer it should get."""
     fault = draw(st.sampled_from(["none", "none", "method", "path", "auth", "model", "body", "limit", "models",
-                                  "bodiless", "local_reply", "headers_first", "stray"]))
+                                  "reply_first", "headers_first", "stray"]))
     key = draw(st.sampled_from([KEY, FREE_KEY]))
     tenant = TENANT_OF[key]
     method = "POST"
     path = draw(st.sampled_from([*COMPLETIONS, "/v1/completions?x=1"]))
     auth: str | None = draw(st.sampled_from([f"Bearer {key}", f"bearer  {key}", f" Bearer {key} ", f"BEARER {key}"]))
     model: Any = draw(st.sampled_from(["llama-8b", "llama-70b"]))
-    request_id = draw(st.one_of(st.none(), st.just("r-2"), st.text(max_size=10)))
-    extra = draw(st.dictionaries(st.text(max_size=8), st.one_of(text_values, not_strings), max_size=2))
+    request_id = draw(plausible_ids)
+    extra = draw(extra_attributes)
     body: bytes | None = None
     expected: Expected = ("routed", tenant, model)
     if fault == "method":
@@ -389,22 +414,12 @@ def plausible_request(draw: st.DrawFn) -> tuple[list[ep.ProcessingRequest], Expe
         headers = _raw_headers(*pairs) + draw(st.lists(header_value().filter(
             lambda h: h.key not in (":method", ":path", "authorization")), max_size=2))
         return [_headers_msg("request_headers", headers, True)], expected
-    elif fault in ("bodiless", "local_reply"):
-        # No body: Envoy answered by itself and ext_proc sees only that reply's headers.
-        if fault == "bodiless":
-            status = "404"
-            method = draw(st.sampled_from(["POST", "GET", "DELETE"]))
-            path = draw(st.sampled_from([*COMPLETIONS, "/v1/completions?x=1", "/v1/embeddings", "/", "/v1/models"]))
-            if path.split("?")[0] not in COMPLETIONS:
-                expected = _rejected(404, "unknown_url")
-            elif method != "POST":
-                expected = _rejected(400, "method_not_allowed")
-            else:
-                expected = _rejected(400, "invalid_body")
-        else:
-            status = draw(st.sampled_from(["413", "413", "0413", "200", "400", "503", "", "4l3"]))
-            expected = _rejected(413, "request_too_large") if status in ("413", "0413") else ("continued",)
-        return [response_msg(status, method=method, path=path)], expected
+    elif fault == "reply_first":
+        # Response headers first, such as Envoy's own 404 or 413 used to be: never ext_proc's to answer now.
+        status = draw(st.sampled_from(["404", "413", "200", "503", "", "4²4"]))
+        method = draw(st.sampled_from(["POST", "GET"]))
+        return [reply_msg(status, method, path), body_msg(json.dumps({"model": model}).encode(), path=path, auth=auth)], \
+            _rejected(400, "invalid_request")
     elif fault == "headers_first":
         # A completion route never sends its headers; if it did, nothing may go upstream from them.
         msg = _headers_msg("request_headers", _raw_headers((":method", "POST"), (":path", path),
@@ -422,32 +437,29 @@ def plausible_request(draw: st.DrawFn) -> tuple[list[ep.ProcessingRequest], Expe
             _rejected(400, "invalid_request")
     if body is None:
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    first = body_msg(body, method, path, auth, request_id, extra)
-    served = draw(st.sampled_from([*ENDPOINTS["llama-8b"], *ENDPOINTS["llama-70b"], "10.0.0.9:8000", "junk"]))
-    status = draw(st.sampled_from(["200", "503", "", "abc"]))
-    return [first, response_msg(status, served, method, path)], expected
+    return [body_msg(body, method, path, auth, request_id, extra)], expected
 
 
 plausible_messages = plausible_request().map(lambda case: case[0])
 
 
 @st.composite
-def valid_prefix(draw: st.DrawFn) -> list[ep.ProcessingRequest]:
-    """What Envoy sends for a good completion request, cut at a random point."""
+def good_request(draw: st.DrawFn) -> list[ep.ProcessingRequest]:
+    """What Envoy sends for a good completion request: its one message. The ids repeat on purpose: a client
+    may send its own x-request-id, so two live requests can share one."""
     key = draw(st.sampled_from([KEY, FREE_KEY]))
     model = draw(st.sampled_from(["llama-8b", "llama-70b"]))
     path = draw(st.sampled_from(COMPLETIONS))
-    full = [body_msg(json.dumps({"model": model, "prompt": "x"}).encode(), path=path, auth=f"Bearer {key}"),
-            response_msg(draw(st.sampled_from(["200", "503", "", "abc"])),
-                         draw(st.sampled_from([*ENDPOINTS[model], "10.0.0.9:8000", "junk"])), path=path)]
-    return full[: draw(st.integers(0, len(full)))]
+    request_id = draw(st.sampled_from(["r-1", "r-2", ""]))
+    return [body_msg(json.dumps({"model": model, "prompt": "x"}).encode(), path=path, auth=f"Bearer {key}",
+                     request_id=request_id)]
 
 
-sequences = st.one_of(
-    st.lists(random_message, max_size=8),
-    st.builds(lambda p, g: p + g, valid_prefix(), st.lists(random_message, max_size=5)),
+requests_then_anything = (
+    st.builds(lambda p, g: p + g, good_request(), st.lists(random_message, max_size=5)),
     st.builds(lambda p, g: p + g, plausible_messages, st.lists(random_message, max_size=4)),
 )
+sequences = st.one_of(st.lists(random_message, max_size=8), *requests_then_anything)
 
 
 # ---------------------------------------------------------------- invariants
@@ -458,15 +470,6 @@ def _attrs(msg: ep.ProcessingRequest) -> dict[str, str]:
     if ATTR not in msg.attributes:
         return {}
     return {k: v.string_value for k, v in msg.attributes[ATTR].fields.items() if v.WhichOneof("kind") == "string_value"}
-
-
-def _request_status(msg: ep.ProcessingRequest) -> int | None:
-    """The :status of a response_headers message (the first one), if it is a plain number."""
-    for h in msg.response_headers.headers.headers:
-        if h.key == ":status":
-            value = h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value
-            return int(value) if value.isascii() and value.isdigit() else None
-    return None
 
 
 def _header_pairs(msg: ep.ProcessingRequest) -> list[tuple[str, bytes]]:
@@ -492,11 +495,9 @@ def _mutation_ok(mutation: ep.HeaderMutation) -> None:
         assert not any(c in raw for c in b"\r\n\x00"), (key, raw)
 
 
-def _plain(common: ep.CommonResponse) -> None:
-    """An answer that changes nothing."""
-    assert not common.header_mutation.set_headers and not common.header_mutation.remove_headers, common
-    assert not common.HasField("body_mutation") and not common.clear_route_cache and not common.HasField("trailers")
-    assert common.status == ep.CommonResponse.CONTINUE
+def _changes_nothing(msg: message.Message) -> bool:
+    """Every field set is a message that sets nothing in turn (an empty CommonResponse is still a field)."""
+    return all(isinstance(value, message.Message) and _changes_nothing(value) for _, value in msg.ListFields())
 
 
 def _tenant_of(authorization: str) -> str | None:
@@ -519,7 +520,8 @@ def _strict_json(raw: bytes) -> Any:
 
 def check_routed(request: ep.ProcessingRequest, resp: ep.ProcessingResponse) -> str:
     """The request goes upstream: only an authenticated POST to a completion path, with a model its key may use;
-    the cluster and endpoint list are dynamic metadata, and no request header is changed. Returns the model."""
+    the cluster, model, rate-limit values and endpoint list are dynamic metadata, and no request header is
+    changed. Returns the model."""
     common = resp.request_body.response
     assert common.clear_route_cache, "the route must be picked again, with the metadata"
     assert common.HasField("header_mutation"), "clear_route_cache is ignored without a header mutation"
@@ -540,16 +542,32 @@ def check_routed(request: ep.ProcessingRequest, resp: ep.ProcessingResponse) -> 
     assert set(meta["envoy.lb"]) == {"x-gateway-destination-endpoint"}, meta
     endpoints = meta["envoy.lb"]["x-gateway-destination-endpoint"].split(",")
     assert endpoints and len(set(endpoints)) == len(endpoints) and set(endpoints) <= set(ENDPOINTS[model]), endpoints
-    route = meta["modeldock"]
-    assert route["cluster"] == f"model:{model}", route
+    route = dict(meta["modeldock"])
+    # The model names it in Envoy's own error replies; the route adds the x-ratelimit-* values to the response.
+    assert route.pop("cluster") == f"model:{model}" and route.pop("model") == model, route
+    limits = {k: route.pop(k) for k in RATELIMIT_HEADERS & set(route)}
+    if tenant == "acme":  # the only tenant with request windows
+        assert set(limits) == RATELIMIT_HEADERS, limits
+        assert limits["x-ratelimit-limit-requests"] in ("2", "3"), limits
+        assert limits["x-ratelimit-remaining-requests"].isdigit(), limits
+        assert int(limits["x-ratelimit-remaining-requests"]) < int(limits["x-ratelimit-limit-requests"]), limits
+        assert DURATION.fullmatch(limits["x-ratelimit-reset-requests"]), limits
+    else:
+        assert not limits, limits
     if model == "llama-70b":  # an alias: the body names the served model, and Envoy fixes content-length
         rewritten = common.body_mutation.body
         assert _strict_json(rewritten) == {**data, "model": "meta/llama-70b"}
-        assert route == {"cluster": "model:llama-70b", "content_length": str(len(rewritten))}, route
+        assert route == {"content_length": str(len(rewritten))}, route
     else:
         assert not common.HasField("body_mutation")
-        assert set(route) == {"cluster"}, route
+        assert not route, route
     return model
+
+
+def primary_of(resp: ep.ProcessingResponse) -> Endpoint:
+    """The endpoint a routed request is counted on first: the head of its override_host list."""
+    endpoints = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    return Endpoint.parse(endpoints.string_value.split(",")[0])
 
 
 def check_immediate(request: ep.ProcessingRequest, imm: ep.ImmediateResponse) -> None:
@@ -579,16 +597,13 @@ def check_immediate(request: ep.ProcessingRequest, imm: ep.ImmediateResponse) ->
     assert err["type"] == ERROR_TYPES[imm.status.code], (imm.status.code, err)
     if imm.status.code == 429:
         assert headers["retry-after"].isdigit()
-    if asked == "response_headers":
-        # A reply Envoy made by itself: only its 404 (no body) and 413 (too big) are rewritten.
-        status = _request_status(request)
-        if status == 413:
-            assert (imm.status.code, err["code"]) == (413, "request_too_large")
-        else:
-            assert status == 404, status
-            assert (imm.status.code, err["code"]) in {(404, "unknown_url"), (400, "method_not_allowed"),
-                                                      (400, "invalid_body")}, err
-    elif asked != "request_body" and asked != "request_headers":
+    if asked == "request_headers":
+        # Only the route is checked, then the key of a /v1/models request: no body, no model, no admission.
+        assert imm.status.code in (400, 401, 404), (imm.status.code, err)
+        assert imm.status.code != 404 or err["code"] == "unknown_url", err
+        assert imm.status.code != 400 or err["code"] in ("method_not_allowed", "invalid_request"), err
+    elif asked != "request_body":
+        # Nothing but a body (or the model list's headers) may come first, Envoy's own replies included.
         assert (imm.status.code, err["code"]) == (400, "invalid_request"), err
 
 
@@ -612,24 +627,9 @@ def check_response(request: ep.ProcessingRequest, resp: ep.ProcessingResponse, f
     if first and kind == "request_body":
         check_routed(request, resp)
         return kind
-    assert not resp.HasField("dynamic_metadata") and not resp.HasField("mode_override"), resp
-    if kind.endswith("trailers"):
-        assert not getattr(resp, kind).HasField("header_mutation")
-        return kind
-    common = getattr(resp, kind).response
-    if kind == "response_headers" and not first:
-        # The upstream's answer: at most the rate-limit headers are added.
-        _mutation_ok(common.header_mutation)
-        assert {h.header.key for h in common.header_mutation.set_headers} <= RATELIMIT_HEADERS
-        assert not common.header_mutation.remove_headers and not common.HasField("body_mutation")
-        assert not common.clear_route_cache
-        return kind
-    if first:
-        # Only a reply Envoy made by itself goes on unchanged as a first message; a first request_headers
-        # (only /v1/models sends them) is always answered by ext_proc.
-        assert kind == "response_headers", kind
-        assert _request_status(request) not in (404, 413)
-    _plain(common)
+    # A first message is routed or answered; after that the request is Envoy's, and ext_proc changes nothing.
+    assert not first, f"a first {asked} answered with {kind}"
+    assert [f.name for f, _ in resp.ListFields()] == [kind] and _changes_nothing(getattr(resp, kind)), resp
     return kind
 
 
@@ -646,13 +646,69 @@ def check_expected(expected: Expected, resp: ep.ProcessingResponse, mode: str) -
     elif expected[0] == "models":
         assert kind == "immediate_response" and resp.immediate_response.status.code == 200, resp
         assert [m["id"] for m in json.loads(resp.immediate_response.body)["data"]] == VISIBLE[expected[1]]
-    elif expected[0] == "continued":
-        assert kind == "response_headers", resp
     else:
         _, status, codes = expected
         assert kind == "immediate_response", resp
         assert resp.immediate_response.status.code == status, resp
         assert json.loads(resp.immediate_response.body)["error"]["code"] in codes, resp
+
+
+def check_outcome(flow: RequestFlow, first: ep.ProcessingResponse | None) -> None:
+    """The flow's outcome is what its first answer was; later messages and the end do not change it."""
+    if first is None:
+        assert (flow.outcome, flow.status) == ("incomplete", 0)
+    elif first.WhichOneof("response") == "request_body":
+        assert (flow.outcome, flow.status) == ("proxied", 0)  # the upstream's status is not ext_proc's to see
+    else:
+        code = first.immediate_response.status.code
+        assert (flow.outcome, flow.status) == ("models" if code == 200 else "rejected", code)
+
+
+@dataclass
+class Counted:
+    """Where a live routed request must be counted: its primary until Envoy reports a retry elsewhere."""
+
+    primary: Endpoint
+    at: Endpoint
+
+
+def _moved(at: Endpoint, address: str) -> Endpoint:
+    """Where a request counted `at` is after a retry report naming `address` (a malformed one is ignored)."""
+    try:
+        return Endpoint.parse(address)
+    except ValueError:
+        return at
+
+
+def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counted], key: Hashable) -> None:
+    """Envoy reports a retry of `flow` (`counted[key]` while it is live and routed) onto `address`."""
+    retried = flow.retried
+    flow.retried_on(address)
+    if key not in counted:
+        assert flow.retried == retried  # not routed, or ended: nothing moves
+        return
+    where = counted[key]
+    where.at = _moved(where.at, address)
+    assert flow.lease is not None and flow.lease.endpoint == where.at, (address, flow.lease)
+    assert flow.retried or where.at == where.primary
+    try:
+        canonical: bool | None = Endpoint.parse(address).address == address
+    except ValueError:
+        canonical = None
+    if canonical is None:
+        assert flow.retried == retried  # a malformed report changes nothing at all
+    elif canonical:
+        # Envoy's reports spell addresses as the picker does (attempts.py); another spelling of the
+        # primary may read as a retry.
+        assert flow.retried == (where.at != where.primary), (address, flow.served_by)
+
+
+def assert_counts(gw: Gateway, counted: dict[Hashable, Counted]) -> None:
+    """The picker counts each live routed request once, where it was last reported, and nothing else."""
+    want = Counter(where.at for where in counted.values())
+    assert gw.picker.total_in_flight() == len(counted)
+    for endpoint, n in want.items():
+        assert gw.picker.in_flight(endpoint) == n, (endpoint, counted)
 
 
 def live(flows: list[RequestFlow]) -> tuple[int, int]:
@@ -672,109 +728,149 @@ def assert_nothing_held(gw: Gateway) -> None:
 # ---------------------------------------------------------------- RequestFlow directly
 
 
+# Envoy's retry reports between two steps (out of band: they may come at any time).
+reports = st.lists(addresses, max_size=2)
+
+
 @FUZZ
-@given(mode=st.sampled_from(REDIS_MODES), messages=sequences)
-def test_one_flow_any_messages(mode: str, messages: list[ep.ProcessingRequest]) -> None:
+@given(mode=st.sampled_from(REDIS_MODES), seed=seeds, messages=sequences, data=st.data())
+def test_one_flow_any_messages(mode: str, seed: int, messages: list[ep.ProcessingRequest],
+                               data: st.DataObject) -> None:
     async def run() -> None:
-        gw = make_gateway(mode)
+        gw = make_gateway(mode, seed=seed)
         flow = RequestFlow(gw)
         secret = keys_only_in_authorization(messages)
-        routed = False
+        counted: dict[Hashable, Counted] = {}
+        first: ep.ProcessingResponse | None = None
         for i, msg in enumerate(messages):
-            kind = check_response(msg, await flow.handle(msg), first=i == 0, secret=secret)
-            routed = routed or (i == 0 and kind == "request_body")
+            for address in data.draw(reports):  # before routing too: ignored then
+                report_retry(flow, address, counted, 0)
+                assert_counts(gw, counted)
+            resp = await flow.handle(msg)
+            kind = check_response(msg, resp, first=i == 0, secret=secret)
+            if i == 0:
+                first = resp
+                if kind == "request_body":
+                    counted[0] = Counted(primary_of(resp), primary_of(resp))
             # Only a routed request holds a lease; it also holds a ticket. (An admitted request the picker then
             # rejects, e.g. no endpoints, keeps its ticket until the stream ends.)
-            assert (flow.lease is not None) == routed
-            assert flow.ticket is not None or not routed
-            assert gw.picker.total_in_flight() == (1 if routed else 0)
+            assert (flow.lease is not None) == bool(counted)
+            assert flow.ticket is not None or not counted
+            assert_counts(gw, counted)
             held = flow.ticket is not None and flow.tenant is not None and flow.tenant.id == "acme"
             assert gw.admission.in_flight("acme") == (1 if held else 0)
+        check_outcome(flow, first)
         flow.finish()
         assert_nothing_held(gw)
+        counted.clear()
+        for address in data.draw(reports):  # the stream ended: a late report moves nothing
+            report_retry(flow, address, counted, 0)
+            assert_nothing_held(gw)
         flow.finish()  # idempotent
         assert_nothing_held(gw)
+        check_outcome(flow, first)
         await gw.admission.close()
 
     asyncio.run(run())
 
 
 @FUZZ
-@given(mode=st.sampled_from(REDIS_MODES), case=plausible_request(), tail=st.lists(random_message, max_size=3))
-def test_plausible_request_gets_its_answer(mode: str, case: tuple[list[ep.ProcessingRequest], Expected],
-                                           tail: list[ep.ProcessingRequest]) -> None:
-    """A request with one fault gets exactly the rejection for that fault; a good one is routed, counted where
-    Envoy says it was served, and answered with rate-limit headers when its tenant has limits."""
+@given(mode=st.sampled_from(REDIS_MODES), seed=seeds, case=plausible_request(),
+       tail=st.lists(random_message, max_size=3), retries=st.lists(addresses, max_size=3), stray=addresses)
+def test_plausible_request_gets_its_answer(mode: str, seed: int, case: tuple[list[ep.ProcessingRequest], Expected],
+                                           tail: list[ep.ProcessingRequest], retries: list[str], stray: str) -> None:
+    """A request with one fault gets exactly the rejection for that fault; a good one is routed with its tenant's
+    rate-limit values, counted on its primary, and moved wherever Envoy reports a retry went."""
     messages, expected = case
     messages = messages + tail
 
     async def run() -> None:
-        gw = make_gateway(mode)
+        gw = make_gateway(mode, seed=seed)
         flow = RequestFlow(gw)
         secret = keys_only_in_authorization(messages)
+        flow.retried_on(stray)  # nothing routed yet: nothing to move
+        assert not flow.retried and gw.picker.total_in_flight() == 0
         first = await flow.handle(messages[0])
         check_response(messages[0], first, first=True, secret=secret)
         check_expected(expected, first, mode)
-        routed = first.WhichOneof("response") == "request_body"
-        if routed:
+        counted: dict[Hashable, Counted] = {}
+        if first.WhichOneof("response") == "request_body":
             assert flow.lease is not None and flow.ticket is not None
-            primary = json_format.MessageToDict(first.dynamic_metadata)["envoy.lb"][
-                "x-gateway-destination-endpoint"].split(",")[0]
-            assert gw.picker.in_flight(Endpoint.parse(primary)) == gw.picker.total_in_flight() == 1
+            counted[0] = Counted(primary_of(first), primary_of(first))
+            assert gw.picker.in_flight(counted[0].primary) == gw.picker.total_in_flight() == 1
             assert gw.admission.in_flight(flow.tenant.id) == 1
+            route = first.dynamic_metadata.fields["modeldock"].struct_value.fields
+            if flow.tenant.id == "acme":  # a fresh gateway: the first request of the tightest window
+                limit = 2 if flow.model == "llama-8b" else 3
+                assert route["x-ratelimit-limit-requests"].string_value == str(limit)
+                assert route["x-ratelimit-remaining-requests"].string_value == str(limit - 1)
+            for address in retries:
+                report_retry(flow, address, counted, 0)
+                assert_counts(gw, counted)
+                assert gw.admission.in_flight(flow.tenant.id) == 1
         else:
             assert gw.picker.total_in_flight() == 0 and flow.lease is None
-        for i, msg in enumerate(messages[1:]):
-            resp = await flow.handle(msg)
-            check_response(msg, resp, first=False, secret=secret)
-            if routed and i == 0:  # the response headers: count the request where Envoy says it went
-                served = _attrs(msg)["upstream.address"]
-                try:
-                    where = Endpoint.parse(served)
-                except ValueError:
-                    where = Endpoint.parse(primary)
-                assert gw.picker.in_flight(where) == gw.picker.total_in_flight() == 1
-                added = {h.header.key for h in resp.response_headers.response.header_mutation.set_headers}
-                assert added == (RATELIMIT_HEADERS if flow.tenant.id == "acme" else set()), added
+        for msg in messages[1:]:
+            check_response(msg, await flow.handle(msg), first=False, secret=secret)
+            assert_counts(gw, counted)
+        check_outcome(flow, first)
         flow.finish()
         assert_nothing_held(gw)
+        flow.retried_on(stray)  # after the end
+        assert_nothing_held(gw)
+        check_outcome(flow, first)
         await gw.admission.close()
 
     asyncio.run(run())
 
 
 @FUZZ
-@given(mode=st.sampled_from(REDIS_MODES),
-       scripts=st.lists(st.one_of(sequences, plausible_messages, valid_prefix()), min_size=2, max_size=6),
+@given(mode=st.sampled_from(REDIS_MODES), seed=seeds,
+       scripts=st.lists(st.one_of(sequences, plausible_messages, good_request()), min_size=2, max_size=6),
        data=st.data())
-def test_interleaved_flows_with_early_finishes(mode: str, scripts: list[list[ep.ProcessingRequest]],
+def test_interleaved_flows_with_early_finishes(mode: str, seed: int, scripts: list[list[ep.ProcessingRequest]],
                                                data: st.DataObject) -> None:
     """Several requests at once, their messages interleaved at random; a flow may end at any point
-    (client gone). The gateway's counts always match what the flows hold."""
+    (client gone), and retry reports come for any flow at any time. The gateway's counts always match
+    what the flows hold, each where it was last reported."""
     # One step per message plus one to end the stream, in a random interleaving.
     steps = data.draw(st.permutations([i for i, script in enumerate(scripts) for _ in range(len(script) + 1)]))
 
     async def run() -> None:
-        gw = make_gateway(mode)
+        gw = make_gateway(mode, seed=seed)
         flows = [RequestFlow(gw) for _ in scripts]
         secret = [keys_only_in_authorization(script) for script in scripts]
+        firsts: list[ep.ProcessingResponse | None] = [None] * len(scripts)
+        counted: dict[Hashable, Counted] = {}
         sent = [0] * len(scripts)
         ended = [False] * len(scripts)
         for i in steps:
+            for address in data.draw(reports):  # for any flow: live, ended, or never routed
+                j = data.draw(st.integers(0, len(flows) - 1))
+                report_retry(flows[j], address, counted, j)
             if ended[i]:
                 continue
             if sent[i] == len(scripts[i]) or data.draw(st.integers(0, 9)) == 0:  # sometimes the client leaves early
                 flows[i].finish()
                 ended[i] = True
+                counted.pop(i, None)
             else:
                 msg = scripts[i][sent[i]]
-                check_response(msg, await flows[i].handle(msg), first=sent[i] == 0, secret=secret[i])
+                resp = await flows[i].handle(msg)
+                kind = check_response(msg, resp, first=sent[i] == 0, secret=secret[i])
+                if sent[i] == 0:
+                    firsts[i] = resp
+                    if kind == "request_body":
+                        counted[i] = Counted(primary_of(resp), primary_of(resp))
                 sent[i] += 1
             leases, tickets = live(flows)
-            assert gw.picker.total_in_flight() == leases
+            assert len(counted) == leases
+            assert_counts(gw, counted)
             assert gw.admission.in_flight("acme") == tickets <= 1  # max_in_flight
         assert all(ended)
         assert_nothing_held(gw)
+        for flow, first in zip(flows, firsts, strict=True):
+            check_outcome(flow, first)
         await gw.admission.close()
 
     asyncio.run(run())
@@ -895,9 +991,10 @@ class _Failures(logging.Handler):
             self.records.append(record)
 
 
-async def _serve(gw: Gateway) -> tuple[grpc.aio.Server, ExtProcServicer, int, list[RequestFlow]]:
+async def _serve(gw: Gateway, on_retry: Callable[[RequestFlow], None] | None = None,
+                 ) -> tuple[grpc.aio.Server, ExtProcServicer, int, list[RequestFlow]]:
     finished: list[RequestFlow] = []
-    servicer = ExtProcServicer(gw, lambda flow, _s: finished.append(flow))
+    servicer = ExtProcServicer(gw, lambda flow, _s: finished.append(flow), on_retry)
     server = grpc.aio.server()
     add_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -918,12 +1015,18 @@ async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
+# Never empty (a stream opens with its first message). Good requests alone often: streams routed at once,
+# some under the same id.
+stream_messages = st.one_of(st.lists(random_message, min_size=1, max_size=8), *requests_then_anything,
+                            good_request(), good_request())
+
+
 @st.composite
 def wire_script(draw: st.DrawFn) -> list[tuple[bytes, ep.ProcessingRequest]]:
     """A message sequence as bytes on the wire (some attribute strings made invalid UTF-8), each with what
     ext_proc should read from it."""
     out = []
-    for msg in draw(sequences.filter(bool)):
+    for msg in draw(stream_messages):
         junk = draw(corruptions(msg)) if draw(st.booleans()) else {}
         if junk and _all_strings(msg):
             out.append((_corrupt(msg, junk), _decoded(msg, junk)))
@@ -935,41 +1038,114 @@ def wire_script(draw: st.DrawFn) -> list[tuple[bytes, ep.ProcessingRequest]]:
     return out
 
 
+def _request_id(msg: ep.ProcessingRequest) -> str:
+    """The id ext_proc reads from a message: a missing or non-string attribute reads as none."""
+    return _attrs(msg).get("request.id", "")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(REDIS_MODES), scripts=st.lists(wire_script(), min_size=1, max_size=4),
-       endings=st.lists(st.sampled_from(["done_writing", "cancel"]), min_size=4, max_size=4))
-def test_grpc_servicer_streams(mode: str, scripts: list[list[tuple[bytes, ep.ProcessingRequest]]],
-                               endings: list[str]) -> None:
+@given(mode=st.sampled_from(REDIS_MODES), seed=seeds, scripts=st.lists(wire_script(), min_size=1, max_size=4),
+       data=st.data())
+def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[bytes, ep.ProcessingRequest]]],
+                               data: st.DataObject) -> None:
+    """Streams through the real servicer, their steps interleaved at random, each ended by the client (done
+    writing, or cancelled, early or not), with retry reports by request id in between. A report reaches the
+    request routed last under its id while that request is live, and nothing else: not a request whose stream
+    ended, nor one whose id a later request took; and one request's end never unregisters another's id."""
+    # One step per message plus one to end the stream, in a random interleaving.
+    steps = data.draw(st.permutations([i for i, script in enumerate(scripts) for _ in range(len(script) + 1)]))
+    ids = sorted({_request_id(seen) for script in scripts for _, seen in script} | {"r-unknown"})
     failures = _Failures()
     logger = logging.getLogger("modeldock.extproc")
     logger.addHandler(failures)
 
-    async def one_stream(process: grpc.aio.StreamStreamMultiCallable, script: list[tuple[bytes, ep.ProcessingRequest]],
-                         ending: str) -> None:
-        call = process()
-        secret = keys_only_in_authorization([seen for _, seen in script])
-        for i, (raw, seen) in enumerate(script):
-            await call.write(raw)
-            resp = await call.read()
-            assert resp is not grpc.aio.EOF, f"the server ended the stream instead of answering: {await call.code()}"
-            if check_response(seen, resp, first=i == 0, secret=secret) == "immediate_response":
-                break  # Envoy stops here
-        if ending == "cancel":
-            call.cancel()
-        else:
-            await call.done_writing()
-            assert await call.read() is grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
-
     async def run() -> None:
-        gw = make_gateway(mode)
-        server, servicer, port, finished = await _serve(gw)
+        gw = make_gateway(mode, seed=seed)
+        reached: list[RequestFlow] = []  # the flows retry reports moved, by the servicer's on_retry
+        server, servicer, port, finished = await _serve(gw, reached.append)
+        calls: list[grpc.aio.StreamStreamCall | None] = [None] * len(scripts)
+        secret = [keys_only_in_authorization([seen for _, seen in script]) for script in scripts]
+        firsts: list[ep.ProcessingResponse | None] = [None] * len(scripts)
+        request_ids = [""] * len(scripts)
+        registry: dict[str, int] = {}  # what the servicer should route reports by: id -> stream
+        counted: dict[Hashable, Counted] = {}
+        sent = [0] * len(scripts)
+        answered = [False] * len(scripts)  # an immediate response: Envoy sends nothing more
+        ended = [False] * len(scripts)
+
+        def report(request_id: str, address: str) -> None:
+            target = registry.get(request_id)
+            reached.clear()
+            servicer.retried(request_id, address)
+            if target is None:
+                assert not reached, f"a report for {request_id!r} reached {reached}"
+                return
+            before = counted[target].at
+            counted[target].at = _moved(before, address)
+            if counted[target].at == before:
+                assert not reached, "on_retry for a report that moved nothing"  # counted once, as a real move
+                return
+            assert len(reached) == 1 and reached[0].head is not None and reached[0].head.request_id == request_id
+            flow = reached[0]
+            assert flow.lease is not None and not flow.lease.released and flow.lease.endpoint == counted[target].at
+
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 process = _raw_process(channel)
-                await asyncio.gather(*(one_stream(process, s, e) for s, e in zip(scripts, endings, strict=False)))
-                # The servicer ends every flow when its stream ends, cancelled or not.
-                await _until(lambda: servicer.open_streams == 0 and len(finished) == len(scripts))
+                for i in steps:
+                    for address in data.draw(reports):
+                        report(data.draw(st.sampled_from(ids)), address)
+                    assert_counts(gw, counted)
+                    if ended[i]:
+                        continue
+                    call = calls[i]
+                    # A stream ends after its last message, after an immediate response, or early (client gone);
+                    # never before its first message, which is what opens it at the server.
+                    if call is not None and (sent[i] == len(scripts[i]) or answered[i]
+                                             or data.draw(st.integers(0, 9)) == 0):
+                        if data.draw(st.booleans()):
+                            call.cancel()
+                        else:
+                            await call.done_writing()
+                            assert await call.read() is grpc.aio.EOF
+                            assert await call.code() == grpc.StatusCode.OK
+                        ended[i] = True
+                        # The servicer ends every flow when its stream ends, cancelled or not (in the same step
+                        # as it counts the stream closed: waiting on the count fails fast if it does not).
+                        await _until(lambda: servicer.open_streams == sum(c is not None for c in calls) - sum(ended))
+                        assert len(finished) == sum(ended)
+                        flow = finished[-1]
+                        check_outcome(flow, firsts[i])
+                        if i in counted:
+                            assert flow.head is not None and flow.head.request_id == request_ids[i]
+                            del counted[i]
+                        if registry.get(request_ids[i]) == i:
+                            del registry[request_ids[i]]
+                    else:
+                        if call is None:
+                            call = calls[i] = process()
+                        raw, seen = scripts[i][sent[i]]
+                        await call.write(raw)
+                        resp = await call.read()
+                        assert resp is not grpc.aio.EOF, f"the server ended the stream instead of answering: " \
+                            f"{await call.code()}"
+                        kind = check_response(seen, resp, first=sent[i] == 0, secret=secret[i])
+                        answered[i] = kind == "immediate_response"
+                        if sent[i] == 0:
+                            firsts[i] = resp
+                            if kind == "request_body":
+                                counted[i] = Counted(primary_of(resp), primary_of(resp))
+                                request_ids[i] = _request_id(seen)
+                                if request_ids[i]:  # the servicer registered it before answering
+                                    registry[request_ids[i]] = i
+                        sent[i] += 1
+                    assert_counts(gw, counted)
+                    assert servicer.open_streams == sum(c is not None for c in calls) - sum(ended)
+                    routed_acme = sum(1 for j in counted if _tenant_of(_attrs(scripts[j][0][1]).get(AUTH, "")) == "acme")
+                    assert routed_acme <= gw.admission.in_flight("acme") <= 1
+            assert all(ended) and servicer.open_streams == 0
+            for request_id in ids:  # every stream ended: no report reaches anything
+                report(request_id, "10.0.0.9:8000")
             assert_nothing_held(gw)
         finally:
             await server.stop(0)
@@ -1020,9 +1196,11 @@ async def test_grpc_authorization_attribute_not_utf8_gets_401(junk: bytes) -> No
 
 
 async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
-    """Bytes that are not UTF-8 in another attribute (here the request id) do not stop a good request."""
+    """Bytes that are not UTF-8 in another attribute (here the request id) do not stop a good request; its
+    retries are reported under the id as ext_proc read it."""
     gw = make_gateway()
-    server, servicer, port, finished = await _serve(gw)
+    reached: list[RequestFlow] = []
+    server, servicer, port, finished = await _serve(gw, reached.append)
     try:
         msg = body_msg(b'{"model":"llama-70b"}', auth=f"Bearer {FREE_KEY}")
         raw = _corrupt(msg, {(ATTR, "request.id"): b"\xffid\xfe"})
@@ -1032,15 +1210,59 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             resp = await call.read()
             assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()}"
             assert check_routed(_decoded(msg, {(ATTR, "request.id"): b"\xffid\xfe"}), resp) == "llama-70b"
-            assert gw.picker.total_in_flight() == 1
-            reply = _corrupt(response_msg("200", "10.0.0.3:8000"), {(ATTR, "request.path"): b"/v1/\xff\xff"})
-            await call.write(reply)
-            assert (await call.read()).WhichOneof("response") == "response_headers"
-            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
+            servicer.retried("r-1", "10.0.0.9:8000")  # the id as sent was never read: no such request
+            assert not reached and gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
+            servicer.retried("\ufffdid\ufffd", "10.0.0.9:8000")
+            assert len(reached) == 1 and reached[0].retried
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == gw.picker.total_in_flight() == 1
+            # A later message with bad bytes (Envoy sends none) goes on unchanged.
+            stray = _corrupt(reply_msg("200"), {(ATTR, "request.path"): b"/v1/\xff\xff"})
+            await call.write(stray)
+            later = await call.read()
+            assert later.WhichOneof("response") == "response_headers" and _changes_nothing(later), later
             await call.done_writing()
             assert await call.read() is grpc.aio.EOF
             await _until(lambda: servicer.open_streams == 0 and len(finished) == 1)
         assert finished[0].outcome == "proxied" and finished[0].head.request_id == "\ufffdid\ufffd"
+        assert_nothing_held(gw)
+        servicer.retried("\ufffdid\ufffd", "10.0.0.3:8000")  # the stream ended
+        assert len(reached) == 1
+        assert_nothing_held(gw)
+    finally:
+        await server.stop(0)
+
+
+async def test_grpc_duplicate_request_ids() -> None:
+    """A client may send its own x-request-id, so two live requests can share one. Reports go to the one
+    routed last while it is live; the first one's end must not unregister the second."""
+    gw = make_gateway()
+    reached: list[RequestFlow] = []
+    server, servicer, port, finished = await _serve(gw, reached.append)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            calls = [_raw_process(channel)() for _ in range(2)]
+            for call in calls:  # free has no limits: both are routed
+                await call.write(body_msg(b'{"model":"llama-70b"}', auth=f"Bearer {FREE_KEY}",
+                                          request_id="dup").SerializeToString())
+                assert (await call.read()).WhichOneof("response") == "request_body"
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 2
+            servicer.retried("dup", "10.0.0.9:8000")
+            second = reached[-1]
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1
+            await calls[0].done_writing()
+            assert await calls[0].read() is grpc.aio.EOF
+            await _until(lambda: len(finished) == 1)
+            assert finished[0] is not second
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 0
+            servicer.retried("dup", "[::1]:8000")  # still the second's
+            assert reached[-1] is second and len(reached) == 2
+            assert gw.picker.in_flight(Endpoint.parse("[::1]:8000")) == gw.picker.total_in_flight() == 1
+            calls[1].cancel()
+            await _until(lambda: servicer.open_streams == 0 and len(finished) == 2)
+            assert finished[1] is second
+            servicer.retried("dup", "10.0.0.3:8000")
+            assert len(reached) == 2
         assert_nothing_held(gw)
     finally:
         await server.stop(0)
@@ -1060,6 +1282,9 @@ async def test_grpc_client_gone_while_waiting_for_redis_holds_nothing() -> None:
             await _until(lambda: servicer.open_streams == 0 and len(finished) == 1)
         assert_nothing_held(gw)
         assert finished[0].lease is None  # never picked: the client left during admission
+        assert finished[0].outcome == "incomplete"
+        servicer.retried("r-1", "10.0.0.2:8000")  # never routed, so never registered
+        assert_nothing_held(gw)
     finally:
         await server.stop(0)
 
@@ -1067,19 +1292,39 @@ async def test_grpc_client_gone_while_waiting_for_redis_holds_nothing() -> None:
 # ---------------------------------------------------------------- known bugs
 
 
-async def test_response_status_with_a_non_ascii_digit() -> None:
+@pytest.mark.parametrize("status", ["404", "413", "503", "200", "²"])
+async def test_response_headers_first_are_refused(status: str) -> None:
+    """Envoy's own replies (a bodiless request's 404, a too-big body's 413) used to reach ext_proc as a first
+    response_headers; Envoy now writes them itself, so any such message is out of order."""
     gw = make_gateway()
     flow = RequestFlow(gw)
-    assert (await flow.handle(body_msg(b'{"model":"llama-8b"}'))).WhichOneof("response") == "request_body"
-    resp = await flow.handle(_headers_msg("response_headers", _raw_headers((":status", "²")), False))
-    assert resp.WhichOneof("response") == "response_headers"
+    first = reply_msg(status)
+    resp = await flow.handle(first)
+    check_response(first, resp, first=True)
+    assert resp.immediate_response.status.code == 400
+    assert json.loads(resp.immediate_response.body)["error"]["code"] == "invalid_request"
+    # Nothing after it is routed, and nothing is counted.
+    later = body_msg(b'{"model":"llama-8b"}')
+    check_response(later, await flow.handle(later), first=False)
+    flow.retried_on("10.0.0.1:8000")
+    assert_nothing_held(gw)
+    assert (flow.outcome, flow.status) == ("rejected", 400)
+
+
+@pytest.mark.parametrize(("before", "malformed"), [(None, "garbage"), ("10.0.0.9:8000", "")])
+async def test_a_malformed_retry_report_is_ignored(before: str | None, malformed: str) -> None:
+    """`retried` once said the opposite of where the request was counted after a malformed report."""
+    gw = make_gateway()
+    flow = RequestFlow(gw)
+    await flow.handle(body_msg(b'{"model":"llama-8b"}'))
+    if before is not None:
+        flow.retried_on(before)
+    served_by, retried = flow.served_by, flow.retried
+    flow.retried_on(malformed)  # found by test_one_flow_any_messages
+    assert gw.picker.in_flight(Endpoint.parse(before or flow.primary)) == 1  # the lease did ignore it
+    assert (flow.served_by, flow.retried) == (served_by, retried)
     flow.finish()
     assert_nothing_held(gw)
-    # As Envoy's own reply: not a 404 or 413, so it goes on unchanged.
-    first = _headers_msg("response_headers", _raw_headers((":status", "4²4")), False)
-    resp = await RequestFlow(gw).handle(first)
-    check_response(first, resp, first=True)
-    assert resp.WhichOneof("response") == "response_headers"
 
 
 async def test_models_request_with_a_non_ascii_content_length() -> None:
