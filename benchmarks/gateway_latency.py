@@ -8,7 +8,7 @@ hits them alike:
                  that answers with constant messages (grpc.aio, no modeldock logic)
   gateway        client -> Envoy + modeldock ext_proc (+ xDS) -> simulator
 floor vs gateway is what modeldock's own code costs; envoy vs floor is the price
-of any Python grpc.aio ext_proc on this design (2 messages per request).
+of any Python grpc.aio ext_proc on this design (one message per request).
 Reports end-to-end p50/p99 of a one-token streamed completion at several
 concurrencies, ext_proc CPU-seconds per 1,000 requests (Envoy's for scale), and
 ext_proc RSS with 1,000 streams open.
@@ -78,15 +78,13 @@ async def serve_floor(route_to: str) -> None:
     from modeldock.extproc import responses
     from modeldock.extproc.wire import add_servicer
 
-    body = responses.route_request_body("model:demo-model", route_to)
-    headers = responses.continue_response_headers()
+    body = responses.route_request_body("model:demo-model", route_to, model="demo-model")
 
     class Floor(ep_grpc.ExternalProcessorServicer):
         async def Process(self, _requests, context):  # type: ignore[no-untyped-def]  # noqa: N802
             while (request := await context.read()) is not grpc.aio.EOF:
                 kind = request.WhichOneof("request")
-                await context.write(body if kind == "request_body" else
-                                    headers if kind == "response_headers" else responses.continue_other(request))
+                await context.write(body if kind == "request_body" else responses.continue_other(request))
 
     server = grpc.aio.server()
     add_servicer(Floor(), server)
@@ -239,7 +237,7 @@ async def main_async(args: argparse.Namespace) -> None:
         f"before each), and within a tier the four paths alternate over {args.rounds} rounds. The backend is one "
         "simulator at 1000x speed, so nearly all of the time is the path itself. `floor` is the gateway's own "
         "Envoy bootstrap with an ext_proc that answers every message with a constant (grpc.aio, no modeldock "
-        "logic): what any Python ext_proc costs on this two-message design.",
+        "logic): what any Python ext_proc costs on this one-message design.",
         table(["concurrency", "direct", "Envoy alone", "floor", "gateway", "Envoy − direct", "gateway − Envoy",
                "floor − Envoy", "gateway − floor"], rows),
         "CPU-seconds per 1,000 requests, by concurrency (the same requests as above, warm-up included; the "

@@ -62,7 +62,35 @@ def test_failure_before_headers_moves_to_another_endpoint(stack: Stack, mode: st
     assert after[2] - before[2] == 6, "every request ended on the healthy endpoint"
     assert after[0] - before[0] + after[1] - before[1] > 0, "the failing endpoints were tried"
     assert retries(stack) > before_retries
-    assert stack.metric("modeldock_retries_seen_total") > 0  # ext_proc saw it through upstream.address
+    assert stack.metric("modeldock_retries_seen_total") > 0  # Envoy reported the retry over its access log
+
+
+def picker_in_flight(stack: Stack) -> dict[str, float]:
+    """modeldock_picker_in_flight by endpoint, from ext_proc's metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.extproc_metrics_port}/metrics",  # noqa: S310
+                                  timeout=2).read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("modeldock_picker_in_flight{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels.split('endpoint="', 1)[1].split('"', 1)[0]] = float(value)
+    return found
+
+
+def test_a_retried_stream_is_counted_on_the_endpoint_that_serves_it(stack: Stack) -> None:
+    a, b, c = stack.sims
+    a.fault("status_503")
+    b.fault("status_503")
+    before = retries(stack)
+    client = stack.openai()
+    for _ in range(6):  # whichever endpoint is primary, the stream runs on c and is counted there
+        stream = client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1000, stream=True)
+        next(iter(stream))
+        wait_until(lambda: picker_in_flight(stack).get(c.address) == 1, 5, what="the count on the serving endpoint")
+        assert sum(picker_in_flight(stack).values()) == 1
+        stream.close()
+        wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count released")
+    assert retries(stack) > before, "no request was retried, so nothing was moved"
 
 
 def test_every_endpoint_failing_before_headers_gives_a_clear_503(stack: Stack) -> None:
