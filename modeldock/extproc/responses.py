@@ -45,10 +45,6 @@ def rejection_response(rejection: Rejection) -> ep.ProcessingResponse:
     return json_response(rejection.status, rejection.body(), rejection.headers)
 
 
-def header_mutation(set_headers: Mapping[str, str]) -> ep.HeaderMutation:
-    return ep.HeaderMutation(set_headers=[_header(k, v) for k, v in set_headers.items()])
-
-
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
                        response_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
@@ -137,11 +133,6 @@ def _other(expression: str, error_type: str) -> dict[str, object]:
     return mapper
 
 
-def continue_response_headers(mutation: ep.HeaderMutation | None = None) -> ep.ProcessingResponse:
-    common = ep.CommonResponse(header_mutation=mutation) if mutation else ep.CommonResponse()
-    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=common))
-
-
 def continue_other(request: ep.ProcessingRequest) -> ep.ProcessingResponse:
     """An empty answer of the matching kind, for phases modeldock does not act on."""
     kind = request.WhichOneof("request")
@@ -152,7 +143,7 @@ def continue_other(request: ep.ProcessingRequest) -> ep.ProcessingResponse:
     if kind == "response_trailers":
         return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
     if kind == "response_headers":
-        return continue_response_headers()
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
     if kind == "request_body":
         return ep.ProcessingResponse(request_body=ep.BodyResponse())
     return ep.ProcessingResponse(request_headers=ep.HeadersResponse())

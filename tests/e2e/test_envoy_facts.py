@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import json_format, message
 
@@ -290,7 +291,8 @@ async def test_route_cache_is_cleared_only_with_a_header_mutation(rig: Rig) -> N
 async def test_body_answer_header_mutations_are_ignored(rig: Rig) -> None:
     def set_header(_r: ep.ProcessingRequest) -> ep.ProcessingResponse:
         resp = responses.route_request_body(cluster_name("m"), f"127.0.0.1:{rig.ports[0]}")
-        resp.request_body.response.header_mutation.CopyFrom(responses.header_mutation({"x-from-extproc": "1"}))
+        resp.request_body.response.header_mutation.set_headers.add(
+            header=base_pb2.HeaderValue(key="x-from-extproc", raw_value=b"1"))
         return resp
 
     rig.extproc.answer = set_header
