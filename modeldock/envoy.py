@@ -98,14 +98,22 @@ def _ratelimit_headers() -> str:
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} for name in (LIMIT, REMAINING, RESET)])
 
 
+def _block(value: object, indent: int) -> str:
+    """`value` as a YAML block under a `key:` whose own indent is `indent` (readable in the rendered file)."""
+    text = yaml.safe_dump(value, default_flow_style=False, sort_keys=False, width=10_000)
+    pad = " " * (indent + 2)
+    return "\n" + "\n".join(pad + line for line in text.splitlines())
+
+
 def render_bootstrap(options: BootstrapOptions) -> str:
     extproc = [_host_port(e) for e in options.extproc_endpoints] or [(options.extproc_host, options.extproc_port)]
     text = Template(template_path().read_text()).substitute(
         {k: str(v) for k, v in options.__dict__.items()}, extproc_lb_endpoints=_lb_endpoints(extproc),
-        local_reply_config=json.dumps(local_reply_config(options.buffer_limit)),
+        local_reply_config=_block(local_reply_config(options.buffer_limit), 10),
         attempt_loggers=_attempt_loggers(len(extproc)), attempt_log_clusters=_attempt_log_clusters(extproc),
         ratelimit_headers=_ratelimit_headers(),
     )
+    text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
     yaml.safe_load(text)  # fail here, not in Envoy, if a value broke the YAML
     return text
 
