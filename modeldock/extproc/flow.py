@@ -31,7 +31,6 @@ from modeldock.extproc.request import (
     read_head,
 )
 from modeldock.admission.limits import Ticket
-from modeldock.discovery.snapshot import Endpoint
 from modeldock.picking import Lease
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.xds.resources import cluster_name
@@ -156,16 +155,9 @@ class RequestFlow:
     def retried_on(self, address: str) -> bool:
         """Envoy retried the request on `address` ("ip:port") before the first byte: count it there.
         False when nothing moved (not routed, ended, not an endpoint, or where it is counted already)."""
-        if self.lease is None or self._phase is not Phase.ROUTED:
+        if self.lease is None or self._phase is not Phase.ROUTED or not self.lease.move_to(address):
             return False
-        try:
-            target = Endpoint.parse(address)
-        except ValueError:
-            return False
-        if target == self.lease.endpoint:
-            return False
-        self.served_by = target.address
-        self.lease.move_to(target.address)
+        self.served_by = self.lease.endpoint.address
         return True
 
     @property

@@ -45,17 +45,21 @@ class Lease:
         self.released = False
         self._seq = seq  # the picker's sequence number for this claim
 
-    def move_to(self, address: str) -> None:
-        """Envoy reported that another endpoint served the request (after a retry)."""
-        if self.released or address == self.endpoint.address:
-            return
+    def move_to(self, address: str) -> bool:
+        """Envoy reported that another endpoint served the request (after a retry).
+        False when nothing moved: released, not an endpoint, or the one counted already."""
+        if self.released:
+            return False
         try:
             target = Endpoint.parse(address)
         except ValueError:
-            return
+            return False
+        if target == self.endpoint:
+            return False
         self._picker._drop(self.endpoint, self._seq)
         self.endpoint = target
         self._seq = self._picker._claim(target)  # new to that endpoint: counted like a pick there
+        return True
 
     def release(self) -> None:
         if not self.released:
