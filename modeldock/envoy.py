@@ -45,12 +45,9 @@ class BootstrapOptions:
     extproc_endpoints: tuple[str, ...] = ()
 
 
-def _lb_endpoints(addresses: list[tuple[str, int]]) -> str:
-    # JSON is YAML flow syntax, and quoting keeps IPv6 colons out of the YAML parser's way.
-    return json.dumps([
-        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-        for host, port in addresses
-    ])
+def _lb_endpoints(addresses: list[tuple[str, int]]) -> list[dict[str, object]]:
+    return [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+            for host, port in addresses]
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -89,7 +86,7 @@ def _attempt_log_clusters(addresses: list[tuple[str, int]]) -> str:
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}}}},
         "load_assignment": {"cluster_name": ATTEMPT_LOG_CLUSTER.format(i), "endpoints": [
-            {"lb_endpoints": json.loads(_lb_endpoints([address]))}]},
+            {"lb_endpoints": _lb_endpoints([address])}]},
     }) + "\n" for i, address in enumerate(addresses))
 
 
@@ -108,7 +105,9 @@ def _block(value: object, indent: int) -> str:
 def render_bootstrap(options: BootstrapOptions) -> str:
     extproc = [_host_port(e) for e in options.extproc_endpoints] or [(options.extproc_host, options.extproc_port)]
     text = Template(template_path().read_text()).substitute(
-        {k: str(v) for k, v in options.__dict__.items()}, extproc_lb_endpoints=_lb_endpoints(extproc),
+        {k: str(v) for k, v in options.__dict__.items()},
+        # JSON is YAML flow syntax, and quoting keeps IPv6 colons out of the YAML parser's way.
+        extproc_lb_endpoints=json.dumps(_lb_endpoints(extproc)),
         local_reply_config=_block(local_reply_config(options.buffer_limit), 10),
         attempt_loggers=_attempt_loggers(len(extproc)), attempt_log_clusters=_attempt_log_clusters(extproc),
         ratelimit_headers=_ratelimit_headers(),

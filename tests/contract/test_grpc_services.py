@@ -75,6 +75,13 @@ def _error(resp: ep.ProcessingResponse) -> tuple[int, str]:
     return imm.status.code, err["code"]
 
 
+async def _end_ok(call: grpc.aio.StreamStreamCall) -> None:
+    """End a stream from the client side, as Envoy does when the HTTP stream ends; the server ends it cleanly."""
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+
+
 async def _wait(predicate, timeout: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
@@ -138,8 +145,7 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             if cancel:
                 call.cancel()
             else:
-                await call.done_writing()
-                assert await call.read() is grpc.aio.EOF
+                await _end_ok(call)
             await _wait(lambda: ext.picker.total_in_flight() == 0)
             # A report that comes after the stream ended counts nothing.
             late = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
@@ -175,9 +181,7 @@ async def test_requests_that_are_not_completions(servers) -> None:
                 assert [m["id"] for m in json.loads(resp.immediate_response.body)["data"]] == ["m"]
             else:
                 assert _error(resp) == expected, msg
-            await call.done_writing()
-            assert await call.read() is grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
+            await _end_ok(call)
     assert ext.picker.total_in_flight() == 0
 
 
@@ -197,9 +201,7 @@ async def test_authorization_attribute_that_is_not_utf8_is_a_401(servers) -> Non
         resp = await call.read()
         assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()} {await call.details()}"
         assert _error(resp) == (401, "invalid_api_key")
-        await call.done_writing()
-        assert await call.read() is grpc.aio.EOF
-        assert await call.code() == grpc.StatusCode.OK
+        await _end_ok(call)
     assert ext.picker.total_in_flight() == 0
 
 
