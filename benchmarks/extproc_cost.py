@@ -32,7 +32,7 @@ from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.admission.limits import Admission  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
 from modeldock.config import hash_key, parse_config  # noqa: E402
-from modeldock.discovery.snapshot import Endpoint  # noqa: E402
+from modeldock.types import Endpoint  # noqa: E402
 from modeldock.extproc.app import build_picker  # noqa: E402
 from modeldock.extproc.flow import RequestFlow  # noqa: E402
 from modeldock.extproc.gateway import Gateway  # noqa: E402

@@ -41,7 +41,8 @@ from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.clock import FakeClock  # noqa: E402
 from modeldock.config import ModelConfig, load_config  # noqa: E402
-from modeldock.discovery.snapshot import Endpoint, Snapshot, SnapshotStore  # noqa: E402
+from modeldock.discovery.snapshot import Snapshot, SnapshotStore  # noqa: E402
+from modeldock.types import Endpoint  # noqa: E402
 from modeldock.xds.builder import ResourceBuilder  # noqa: E402
 from modeldock.xds.cache import ResourceCache, ResourceSet  # noqa: E402
 from modeldock.xds.delta import DeltaStream  # noqa: E402

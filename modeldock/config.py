@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")

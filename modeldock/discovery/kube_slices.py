@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from kubernetes.client import V1Endpoint, V1EndpointSlice
 
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 
 log = logging.getLogger("modeldock.discovery")
 

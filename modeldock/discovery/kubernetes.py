@@ -31,7 +31,8 @@ from modeldock.discovery.kube_watch import (
     Slices,
     WatchSettings,
 )
-from modeldock.discovery.snapshot import Endpoint, SnapshotStore
+from modeldock.discovery.snapshot import SnapshotStore
+from modeldock.types import Endpoint
 
 log = logging.getLogger("modeldock.discovery")
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from envoy.service.accesslog.v3 import als_pb2
 
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 
 SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 

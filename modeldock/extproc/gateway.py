@@ -11,7 +11,7 @@ from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.errors import Forbidden, NotFound, Unavailable
 from modeldock.picking import Pick, Picker
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from modeldock.clock import SystemClock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 
 if TYPE_CHECKING:
     from modeldock.picking.picker import Lease

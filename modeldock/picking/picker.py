@@ -16,7 +16,7 @@ from time import perf_counter
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.errors import Unavailable
 from modeldock.picking.metrics import EndpointRow, PickerMetrics
 from modeldock.picking.policies import RoundRobin, ScoredPolicy, make_policy

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking.scorers import InFlight, Scorer, check_weights, default_scorers
 from modeldock.picking.signals import Signals
 

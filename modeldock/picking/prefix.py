@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 
 BLOCK_CHARS = 256  # about 64 tokens of English text
 MAX_BLOCKS = 64  # the first 16k characters decide; deeper matches add little

@@ -20,7 +20,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking.metrics import ScrapeMetrics
 from modeldock.picking.parse import parse_metrics
 from modeldock.picking.signals import Sample

@@ -8,7 +8,8 @@ resource, so ext_proc answers 503 with a clear message too.
 from __future__ import annotations
 
 from modeldock.config import ModelConfig
-from modeldock.discovery.snapshot import Endpoint, Snapshot
+from modeldock.discovery.snapshot import Snapshot
+from modeldock.types import Endpoint
 from modeldock.xds.cache import Resource, ResourceSet, pack
 from modeldock.xds.resources import (
     CLUSTER_TYPE,

@@ -19,7 +19,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
 
 from modeldock.clock import Clock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.xds.resources import (
     ENDPOINT_TYPE,
     STATUS_NAME,

@@ -22,7 +22,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from modeldock.clock import FakeClock
 from modeldock.config import ModelConfig, parse_config
-from modeldock.discovery.snapshot import Endpoint, SnapshotStore
+from modeldock.discovery.snapshot import SnapshotStore
+from modeldock.types import Endpoint
 from modeldock.xds.app import XdsOptions, XdsServer
 from modeldock.xds.builder import ResourceBuilder
 from modeldock.xds.cache import ResourceCache

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import json_format, message, struct_pb2
 
 from modeldock.config import hash_key, parse_config
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.extproc.app import ExtProcOptions, ExtProcServer
 from modeldock.xds.app import XdsOptions, XdsServer
 

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from modeldock.clock import FakeClock
 from modeldock.config import KubernetesTarget, ModelConfig
-from modeldock.discovery.snapshot import Endpoint, SnapshotStore
+from modeldock.discovery.snapshot import SnapshotStore
+from modeldock.types import Endpoint
 from modeldock.xds.builder import ResourceBuilder
 from modeldock.xds.resources import ENDPOINT_TYPE
 

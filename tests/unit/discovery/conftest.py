@@ -13,7 +13,8 @@ import pytest
 from modeldock.clock import FakeClock
 from modeldock.config import KubernetesTarget, ModelConfig
 from modeldock.discovery.kubernetes import KubernetesDiscovery
-from modeldock.discovery.snapshot import Endpoint, SnapshotStore
+from modeldock.discovery.snapshot import SnapshotStore
+from modeldock.types import Endpoint
 from tests.support.fake_kube import FakeKubeServer
 
 

@@ -8,7 +8,7 @@ from kubernetes.client import V1EndpointSlice
 
 from modeldock.discovery.kube_slices import merge_endpoints, slice_endpoints
 from modeldock.discovery.kube_watch import apply_event
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from tests.support.fake_kube import make_slice, validate
 
 

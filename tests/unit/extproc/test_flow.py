@@ -12,7 +12,7 @@ from google.protobuf import struct_pb2
 from modeldock.admission.limits import Admission
 from modeldock.clock import FakeClock
 from modeldock.config import hash_key, parse_config
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.picking import Picker

@@ -58,7 +58,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from modeldock.admission.limits import Admission
 from modeldock.clock import FakeClock
 from modeldock.config import hash_key, parse_config
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer

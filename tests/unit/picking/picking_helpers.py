@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from modeldock.clock import FakeClock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking import Picker, Sample
 
 

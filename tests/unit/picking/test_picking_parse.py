@@ -152,7 +152,7 @@ def test_junk_never_crashes(text: str) -> None:
 
 def test_endpoint_shared_by_two_models_is_read_whole() -> None:
     from modeldock.clock import FakeClock
-    from modeldock.discovery.snapshot import Endpoint
+    from modeldock.types import Endpoint
     from modeldock.picking import Picker
 
     picker = Picker(FakeClock())

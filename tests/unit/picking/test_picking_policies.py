@@ -7,7 +7,7 @@ import pytest
 from picking_helpers import endpoints, observe
 
 from modeldock.clock import FakeClock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking import Picker
 from modeldock.picking.scorers import Scorer
 from modeldock.picking.signals import Signals

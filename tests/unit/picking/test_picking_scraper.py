@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import SystemClock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking import Picker, Scraper
 from modeldock.picking.bench import vllm_metrics_page
 

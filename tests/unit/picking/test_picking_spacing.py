@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from picking_helpers import endpoints, observe
 
 from modeldock.clock import FakeClock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking import Lease, Picker, Sample
 from modeldock.picking.signals import correct
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modeldock.clock import FakeClock
-from modeldock.discovery.snapshot import Endpoint
+from modeldock.types import Endpoint
 from modeldock.picking import Picker
 from modeldock.picking.prefix import BLOCK_CHARS, MAX_BLOCKS, OWNERS_PER_BLOCK, PrefixIndex, prompt_blocks
 from modeldock.picking.signals import Sample
