@@ -1,0 +1,46 @@
+"""The `queue:` section: how long and how full the flow-control queue may get.
+
+Mounted into the main config as `queue:`; tenants' class and weight come from
+tenant config and are passed to the queue as plain arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CLASS_NAME = r"^[A-Za-z0-9._-]+$"
+
+
+class QueueConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    # Items waiting per model queue, over all classes and tenants.
+    max_length: Annotated[int, Field(ge=1)] = 256
+    # Items one tenant may have waiting per model queue; None = only max_length bounds it.
+    max_per_tenant: Annotated[int, Field(ge=1)] | None = None
+    # An interactive client gives up after a few seconds; waiting longer only wastes a slot.
+    ttl_seconds: Annotated[float, Field(gt=0, le=600)] = 10.0
+    retry_after_seconds: Annotated[int, Field(ge=1, le=3600)] = 1
+    # Class name -> priority; a higher number is always dispatched first and shed last.
+    classes: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=CLASS_NAME)], int] = Field(
+        default_factory=lambda: {"interactive": 2, "standard": 1, "batch": 0}, min_length=1
+    )
+    default_class: str = "standard"
+    # Output tokens assumed for a request that sets neither max_completion_tokens nor max_tokens.
+    default_max_tokens: Annotated[int, Field(ge=1)] = 256
+
+    @model_validator(mode="after")
+    def _default_class_exists(self) -> QueueConfig:
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of classes {sorted(self.classes)}")
+        return self
+
+    def priority(self, klass: str) -> int:
+        """The priority of a class name; ValueError for a name the config does not define."""
+        try:
+            return self.classes[klass]
+        except KeyError:
+            raise ValueError(f"unknown queue class {klass!r}; known: {sorted(self.classes)}") from None

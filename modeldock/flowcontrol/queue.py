@@ -1,0 +1,305 @@
+"""A per-model flow-control queue: requests wait here while every endpoint is full.
+
+Priority bands first (a higher class always goes first and is shed last), then
+start-time fair queueing over tenants by token cost (bands.py), then FIFO within
+a tenant. Bounded by length (total and per tenant) and by a wait TTL.
+
+Contract (see README.md, "Cancel and dispatch"): every item `enqueue` returns
+ends exactly once -- dispatched, rejected or cancelled -- and its caller must
+`await wait(item)` (or call `cancel(item)`). A claim that `dispatch` made for
+an item whose waiter is cancelled before it resumes is handed to `release`,
+so the caller's count is undone exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from modeldock.clock import Clock
+from modeldock.errors import RateLimited, Rejection
+from modeldock.flowcontrol.bands import Band
+from modeldock.flowcontrol.config import QueueConfig
+from modeldock.flowcontrol.metrics import QueueMetrics
+
+T = TypeVar("T")
+
+QUEUE_FULL = "queue_full"
+QUEUE_TIMEOUT = "queue_timeout"
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False, slots=True)
+class Item(Generic[T]):
+    """One waiting request. The queue owns every field; callers read, never write."""
+
+    tenant: str
+    klass: str
+    priority: int
+    cost: int
+    weight: float
+    enqueued_at: float
+    deadline: float
+    seq: int
+    future: asyncio.Future[T]
+    state: State = State.QUEUED
+    reason: str | None = None  # the rejection code when state is REJECTED
+    claim: T | None = None  # what dispatch's claim function returned
+    taken: bool = False  # the waiter received the claim (or it was released)
+    start: float = 0.0  # SFQ tags, set while the item is its flow's head
+    finish: float = 0.0
+
+
+@dataclass
+class Counts:
+    """Every enqueue call ends in exactly one of the last three, or is still queued."""
+
+    offered: int = 0
+    dispatched: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    abandoned: int = 0  # dispatched, then handed back to `release` (a subset of dispatched)
+
+
+class FlowQueue(Generic[T]):
+    def __init__(
+        self,
+        model: str,
+        config: QueueConfig,
+        clock: Clock,
+        *,
+        release: Callable[[T], None],
+        metrics: QueueMetrics | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self._clock = clock
+        self._release = release
+        self._metrics = metrics or QueueMetrics(None)
+        self._loop = loop
+        self._bands: list[Band[T]] = []  # highest priority first
+        self._by_priority: dict[int, Band[T]] = {}
+        self._deadlines: list[tuple[float, int, Item[T]]] = []
+        self._tenants: dict[str, int] = {}
+        self._length = 0
+        self._seq = 0
+        self.counts = Counts()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def tenant_length(self, tenant: str) -> int:
+        return self._tenants.get(tenant, 0)
+
+    def next_deadline(self) -> float | None:
+        """The earliest TTL deadline among queued items (clock.monotonic scale)."""
+        while self._deadlines and self._deadlines[0][2].state is not State.QUEUED:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # -- entering ---------------------------------------------------------------------------
+
+    def enqueue(
+        self, tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, ttl: float | None = None
+    ) -> Item[T]:
+        """Queue a request, or raise RateLimited(queue_full) if it may not wait.
+
+        When the queue is full, a new item of a higher class than the lowest one
+        present evicts the newest item of that lowest class; otherwise the new
+        item is refused. ValueError for an unknown class or a weight <= 0.
+        """
+        klass = klass or self.config.default_class
+        priority = self.config.priority(klass)
+        if not weight > 0:
+            raise ValueError(f"tenant weight must be positive, got {weight}")
+        self.counts.offered += 1
+        self.expire()
+        limit = self.config.max_per_tenant
+        if limit is not None and self._tenants.get(tenant, 0) >= limit:
+            raise self._refuse(tenant, klass, f"tenant {tenant!r} already has {limit} requests queued")
+        if self._length >= self.config.max_length:
+            lowest = next(band for band in reversed(self._bands) if band.length)
+            if lowest.priority >= priority:
+                raise self._refuse(tenant, klass, f"the queue for model {self.model!r} is full")
+            victim = lowest.newest()
+            assert victim is not None
+            self._remove(victim)
+            self._reject(victim, self._rejection(QUEUE_FULL, f"the queue for model {self.model!r} is full"))
+        now = self._clock.monotonic()
+        loop = self._loop or asyncio.get_running_loop()
+        self._seq += 1
+        item: Item[T] = Item(
+            tenant=tenant, klass=klass, priority=priority, cost=max(1, int(cost)), weight=float(weight),
+            enqueued_at=now, deadline=now + (self.config.ttl_seconds if ttl is None else ttl),
+            seq=self._seq, future=loop.create_future(),
+        )
+        self._band(priority).add(item)
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+        self._length += 1
+        heapq.heappush(self._deadlines, (item.deadline, item.seq, item))
+        if len(self._deadlines) > 2 * self._length + 64:  # drop entries of items that already left
+            self._deadlines = [e for e in self._deadlines if e[2].state is State.QUEUED]
+            heapq.heapify(self._deadlines)
+        self._metrics.queued(self.model, tenant, klass, 1)
+        return item
+
+    def _band(self, priority: int) -> Band[T]:
+        band = self._by_priority.get(priority)
+        if band is None:
+            band = self._by_priority[priority] = Band(priority)
+            self._bands.append(band)
+            self._bands.sort(key=lambda b: -b.priority)
+        return band
+
+    # -- waiting ----------------------------------------------------------------------------
+
+    async def wait(self, item: Item[T]) -> T:
+        """The claim dispatch made for `item`; raises its Rejection, or CancelledError.
+
+        Times itself out at the item's deadline, so an item never outlives its TTL
+        by more than the event loop's timer slack, even if nothing else happens.
+        If the awaiting task is cancelled, the item leaves the queue at once; if it
+        had been dispatched in the same instant, its claim goes to `release`.
+        """
+        fut = item.future
+        try:
+            while not fut.done():
+                remaining = item.deadline - self._clock.monotonic()
+                if remaining > 0:
+                    await asyncio.wait((fut,), timeout=remaining)
+                if not fut.done():
+                    self.expire()
+        except asyncio.CancelledError:
+            self.cancel(item)
+            raise
+        claim = fut.result()  # raises the Rejection (or CancelledError after cancel())
+        item.taken = True
+        return claim
+
+    def cancel(self, item: Item[T]) -> bool:
+        """The waiter went away. True if that changed anything (removed, or claim released)."""
+        if item.state is State.QUEUED:
+            self._remove(item)
+            item.state = State.CANCELLED
+            item.future.cancel()
+            self.counts.cancelled += 1
+            self._metrics.on_cancel(self.model, item.tenant, item.klass)
+            return True
+        if item.state is State.DISPATCHED and not item.taken:
+            item.taken = True
+            self.counts.abandoned += 1
+            self._metrics.on_abandon(self.model)
+            assert item.claim is not None
+            self._release(item.claim)
+            return True
+        return False
+
+    # -- leaving ----------------------------------------------------------------------------
+
+    def dispatch(self, claim: Callable[[Item[T]], T | None]) -> int:
+        """Hand queued items to their waiters, in order, while `claim` finds room.
+
+        `claim(item)` runs synchronously per item: it picks and counts (returning
+        the claim, e.g. a lease) or returns None when there is no room, which stops
+        dispatch -- the next item in fair order is not skipped, so a large request
+        is not starved by smaller ones behind it. If `claim` raises a Rejection,
+        that item leaves with it and dispatch goes on. `claim` must not call into
+        this queue. Returns the number of items dispatched.
+        """
+        self.expire()
+        dispatched = 0
+        while self._length:
+            item = self._head()
+            if item.future.done():  # the caller cancelled the future itself: it is gone
+                self.cancel(item)
+                continue
+            try:
+                got = claim(item)
+            except Rejection as exc:
+                self._remove(item)
+                self._reject(item, exc)
+                continue
+            if got is None:
+                break
+            self._remove(item, dispatched=True)
+            item.state = State.DISPATCHED
+            item.claim = got
+            item.future.set_result(got)
+            self.counts.dispatched += 1
+            self._metrics.on_dispatch(self.model, item.tenant, item.klass, self._clock.monotonic() - item.enqueued_at)
+            dispatched += 1
+        return dispatched
+
+    def expire(self) -> int:
+        """Reject every item whose TTL has passed with queue_timeout; returns how many."""
+        now = self._clock.monotonic()
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            item = heapq.heappop(self._deadlines)[2]
+            if item.state is State.QUEUED:
+                self._remove(item)
+                waited = now - item.enqueued_at
+                self._reject(item, self._rejection(
+                    QUEUE_TIMEOUT,
+                    f"no endpoint of model {self.model!r} had room within {waited:.1f}s; the request was not sent",
+                ))
+                expired += 1
+        return expired
+
+    def reject_all(self, rejection: Rejection) -> int:
+        """Empty the queue (model removed, shutdown): every waiter gets `rejection`."""
+        rejected = 0
+        while self._length:
+            item = self._head()
+            self._remove(item)
+            self._reject(item, rejection)
+            rejected += 1
+        return rejected
+
+    def _head(self) -> Item[T]:
+        for band in self._bands:
+            if band.length:
+                item = band.head()
+                assert item is not None
+                return item
+        raise LookupError("empty queue")
+
+    def _remove(self, item: Item[T], *, dispatched: bool = False) -> None:
+        self._by_priority[item.priority].remove(item, dispatched=dispatched)
+        self._length -= 1
+        left = self._tenants[item.tenant] - 1
+        if left:
+            self._tenants[item.tenant] = left
+        else:
+            del self._tenants[item.tenant]
+        self._metrics.queued(self.model, item.tenant, item.klass, -1)
+
+    def _rejection(self, code: str, message: str) -> RateLimited:
+        seconds = self.config.retry_after_seconds
+        return RateLimited(
+            f"{message}; retry after {seconds}s", code=code, headers={"Retry-After": str(seconds)}
+        )
+
+    def _refuse(self, tenant: str, klass: str, message: str) -> RateLimited:
+        self.counts.rejected += 1
+        self._metrics.on_reject(self.model, tenant, klass, QUEUE_FULL)
+        return self._rejection(QUEUE_FULL, message)
+
+    def _reject(self, item: Item[T], rejection: Rejection) -> None:
+        item.state = State.REJECTED
+        item.reason = rejection.code
+        item.future.set_exception(rejection)
+        item.future.exception()  # marks it retrieved: no "never retrieved" log if the waiter is gone
+        self.counts.rejected += 1
+        self._metrics.on_reject(self.model, item.tenant, item.klass, rejection.code)
