@@ -1,0 +1,67 @@
+"""Request cost: prompt characters / 4 plus the output limit, robust to odd bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modeldock.flowcontrol import QueueConfig, estimate_cost
+
+
+def test_chat_text_and_multipart_content_count_with_message_overhead() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "x" * 40},
+            {"role": "user", "content": [{"type": "text", "text": "y" * 80}, {"type": "image_url", "image_url": {}}]},
+        ],
+        "max_tokens": 100,
+    }
+    cost = estimate_cost(body, default_max_tokens=7)
+    assert cost.prompt_tokens == 120 // 4 + 2 * 3
+    assert cost.max_new_tokens == 100
+    assert cost.total == cost.prompt_tokens + 100
+
+
+def test_max_completion_tokens_wins_and_default_fills_in() -> None:
+    assert estimate_cost({"prompt": "abcd", "max_tokens": 5, "max_completion_tokens": 9}, 7).max_new_tokens == 9
+    assert estimate_cost({"prompt": "abcd"}, 7).max_new_tokens == 7
+    # Not a positive integer: the default, never an error.
+    for bad in (0, -3, True, "12", 1.5, None):
+        assert estimate_cost({"prompt": "abcd", "max_tokens": bad}, 7).max_new_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [("a" * 9, 3), (["a" * 8, "b" * 4], 3), ([1, 2, 3, 4, 5], 5), ([[1, 2], [3, 4, 5]], 5), ({"odd": 1}, 1)],
+)
+def test_completion_prompt_shapes(prompt: Any, tokens: int) -> None:
+    assert estimate_cost({"prompt": prompt}, 1).prompt_tokens == tokens
+
+
+def test_longer_prompt_costs_more() -> None:
+    short = estimate_cost({"messages": [{"role": "user", "content": "hi"}]}, 16)
+    long = estimate_cost({"messages": [{"role": "user", "content": "hi" * 1000}]}, 16)
+    assert long.total > short.total + 400
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(
+        st.sampled_from(["messages", "prompt", "max_tokens", "max_completion_tokens", "model", "content"]),
+        json_values,
+    )
+)
+def test_never_raises_on_any_json_object(body: dict[str, Any]) -> None:
+    cost = estimate_cost(body, QueueConfig().default_max_tokens)
+    assert cost.prompt_tokens >= 1
+    assert cost.max_new_tokens >= 1

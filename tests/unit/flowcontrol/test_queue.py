@@ -1,0 +1,238 @@
+"""FlowQueue: priority bands, token-weighted fairness, FIFO, bounds, TTL, cancel/dispatch contract."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+from flow_helpers import Harness
+from prometheus_client import CollectorRegistry
+
+from modeldock.clock import SystemClock
+from modeldock.errors import RateLimited, Unavailable
+from modeldock.flowcontrol import FlowQueue, FlowQueues, Item, QueueConfig, QueueMetrics, State
+
+
+def tokens_and_requests(order: list[tuple[str, int, str]]) -> tuple[Counter[str], Counter[str]]:
+    tokens: Counter[str] = Counter()
+    requests: Counter[str] = Counter()
+    for tenant, cost, _ in order:
+        tokens[tenant] += cost
+        requests[tenant] += 1
+    return tokens, requests
+
+
+def test_equal_weights_share_tokens_not_requests(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_length=1000)
+    for _ in range(100):
+        h.queue.enqueue("long", 400)
+    for _ in range(400):
+        h.queue.enqueue("short", 100)
+    tokens, requests = tokens_and_requests(h.claim_all(budget=20_000))
+    assert abs(tokens["long"] - tokens["short"]) <= 400  # within one of the largest item
+    assert requests["short"] >= 3.5 * requests["long"]
+
+
+def test_weights_two_to_one(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_length=1000)
+    for _ in range(300):
+        h.queue.enqueue("gold", 100, weight=2.0)
+        h.queue.enqueue("bronze", 100, weight=1.0)
+    tokens, _ = tokens_and_requests(h.claim_all(budget=30_000))
+    assert tokens["gold"] + tokens["bronze"] == 30_000
+    assert tokens["gold"] == pytest.approx(2 * tokens["bronze"], abs=200)
+
+
+def test_fifo_within_a_tenant(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop)
+    items = [h.queue.enqueue("a", cost) for cost in (5, 50, 500, 1)]
+    h.claim_all()
+    assert [item.state for item in items] == [State.DISPATCHED] * 4
+    assert [item.future.result() for item in items] == [1, 2, 3, 4]
+
+
+def test_idle_tenant_gets_no_credit_and_busy_tenant_no_penalty_for_cancelled(
+    idle_loop: asyncio.AbstractEventLoop,
+) -> None:
+    h = Harness(idle_loop)
+    first = h.queue.enqueue("a", 1000)
+    h.queue.enqueue("a", 10)
+    h.queue.cancel(first)  # left without being served: charges nothing to the item behind it
+    h.queue.enqueue("b", 10)
+    assert [t for t, _, _ in h.claim_all()] == ["a", "b"]  # equal start tags: older first
+
+
+def test_higher_class_always_first(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop)
+    h.queue.enqueue("a", 10, klass="batch")
+    h.queue.enqueue("b", 10, klass="standard")
+    h.queue.enqueue("c", 10_000, klass="interactive")
+    assert [k for _, _, k in h.claim_all()] == ["interactive", "standard", "batch"]
+
+
+def test_no_room_for_the_head_stops_dispatch(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop)
+    h.queue.enqueue("a", 500, klass="interactive")
+    h.queue.enqueue("b", 10, klass="batch")
+    assert h.claim_all(budget=100) == []  # the small batch item does not jump the big interactive one
+    assert len(h.queue) == 2
+
+
+def test_full_queue_sheds_the_newest_lowest_class(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_length=3, retry_after_seconds=4)
+    batch = [h.queue.enqueue(t, 10, klass="batch") for t in ("a", "b", "c")]
+    with pytest.raises(RateLimited) as refused:
+        h.queue.enqueue("d", 10, klass="batch")  # the lowest class present: refused itself
+    assert refused.value.code == "queue_full"
+    assert refused.value.headers == {"Retry-After": "4"}
+    assert refused.value.status == 429
+    h.queue.enqueue("e", 10, klass="interactive")
+    assert batch[2].state is State.REJECTED and batch[2].reason == "queue_full"
+    evicted = batch[2].future.exception()
+    assert isinstance(evicted, RateLimited) and evicted.body()["error"]["code"] == "queue_full"
+    h.queue.enqueue("f", 10, klass="standard")
+    assert batch[1].state is State.REJECTED
+    assert batch[0].state is State.QUEUED
+    assert len(h.queue) == 3
+    h.queue.enqueue("g", 10, klass="standard")  # evicts the last batch item
+    with pytest.raises(RateLimited):
+        h.queue.enqueue("h", 10, klass="standard")  # now standard is the lowest present
+    assert h.queue.counts.offered == 8 and h.queue.counts.rejected == 5
+
+
+def test_per_tenant_bound(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_per_tenant=2)
+    h.queue.enqueue("a", 1)
+    h.queue.enqueue("a", 1, klass="interactive")
+    with pytest.raises(RateLimited, match="already has 2"):
+        h.queue.enqueue("a", 1, klass="interactive")
+    h.queue.enqueue("b", 1)
+    assert h.queue.tenant_length("a") == 2 and len(h.queue) == 3
+
+
+def test_ttl_expires_on_the_fake_clock(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, ttl_seconds=5.0)
+    old = h.queue.enqueue("a", 1)
+    h.clock.advance(3.0)
+    young = h.queue.enqueue("a", 1)
+    assert h.queue.next_deadline() == old.deadline
+    h.clock.advance(1.9)
+    assert h.queue.expire() == 0
+    h.clock.advance(0.2)
+    assert h.claim_all(budget=0) == []  # dispatch expires first
+    assert old.state is State.REJECTED and old.reason == "queue_timeout"
+    assert young.state is State.QUEUED and len(h.queue) == 1
+    h.clock.advance(3.0)
+    assert h.queue.expire() == 1
+    error = young.future.exception()
+    assert isinstance(error, RateLimited) and error.code == "queue_timeout" and "Retry-After" in error.headers
+
+
+async def test_wait_times_out_on_time_with_nothing_else_happening() -> None:
+    queue: FlowQueue[int] = FlowQueue("m", QueueConfig(ttl_seconds=0.05), SystemClock(), release=lambda c: None)
+    item = queue.enqueue("a", 1)
+    began = time.monotonic()
+    with pytest.raises(RateLimited) as timed_out:
+        await queue.wait(item)
+    waited = time.monotonic() - began
+    assert timed_out.value.code == "queue_timeout"
+    assert 0.045 <= waited < 0.05 + 0.1
+    assert len(queue) == 0
+
+
+async def test_wait_returns_the_claim() -> None:
+    h = Harness(None)
+    item = h.queue.enqueue("a", 1)
+    waiter = asyncio.create_task(h.queue.wait(item))
+    await asyncio.sleep(0)
+    h.claim_all()
+    assert await waiter == 1
+    assert h.queue.cancel(item) is False  # the caller owns the claim now
+    assert h.released == []
+
+
+async def test_cancelled_waiter_leaves_at_once() -> None:
+    h = Harness(None)
+    item = h.queue.enqueue("a", 1)
+    waiter = asyncio.create_task(h.queue.wait(item))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert item.state is State.CANCELLED and len(h.queue) == 0 and h.queue.tenant_length("a") == 0
+    assert h.claim_all() == [] and h.released == []
+    assert h.queue.counts.cancelled == 1
+
+
+@pytest.mark.parametrize("cancel_first", [False, True])
+async def test_dispatch_and_cancel_in_the_same_instant_hand_the_claim_back(cancel_first: bool) -> None:
+    h = Harness(None)
+    item = h.queue.enqueue("a", 1)
+    waiter = asyncio.create_task(h.queue.wait(item))
+    await asyncio.sleep(0)
+    if cancel_first:  # the task is told to stop, but has not run yet: the item is still queued
+        waiter.cancel()
+        h.claim_all()
+    else:
+        h.claim_all()
+        waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert item.state is State.DISPATCHED
+    assert h.released == [1]  # exactly once
+    assert h.queue.cancel(item) is False and h.released == [1]
+    assert h.queue.counts.abandoned == 1 and h.queue.counts.dispatched == 1
+
+
+async def test_a_rejection_from_claim_goes_to_that_item_only() -> None:
+    h = Harness(None)
+    doomed = h.queue.enqueue("a", 1)
+    fine = h.queue.enqueue("b", 1)
+
+    def claim(item: Item[int]) -> int | None:
+        if item is doomed:
+            raise Unavailable("no ready endpoint", code="no_endpoints")
+        return 7
+
+    assert h.queue.dispatch(claim) == 1
+    with pytest.raises(Unavailable):
+        await h.queue.wait(doomed)
+    assert await h.queue.wait(fine) == 7
+
+
+def test_reject_all_and_per_model_queues(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop)
+    queues: FlowQueues[int] = FlowQueues(QueueConfig(), h.clock, release=h.released.append)
+    assert queues.get("x") is queues.get("x") and queues.get("x") is not queues.get("y")
+    assert len(queues) == 0 and queues.discard("nope", Unavailable("gone")) == 0
+
+
+def test_metrics_by_tenant_class_and_reason(idle_loop: asyncio.AbstractEventLoop) -> None:
+    registry = CollectorRegistry()
+    h = Harness(idle_loop, max_length=1)
+    h.queue = FlowQueue("m", h.config, h.clock, release=h.released.append,
+                        metrics=QueueMetrics(registry), loop=idle_loop)
+    h.queue.enqueue("a", 1, klass="batch")
+    labels = {"model": "m", "tenant": "a", "class": "batch"}
+    assert registry.get_sample_value("modeldock_queue_length", labels) == 1
+    h.queue.enqueue("b", 1, klass="interactive")
+    assert registry.get_sample_value("modeldock_queue_length", labels) == 0
+    assert registry.get_sample_value("modeldock_queue_rejected_total", {**labels, "reason": "queue_full"}) == 1
+    h.clock.advance(0.5)
+    h.claim_all()
+    interactive = {"model": "m", "tenant": "b", "class": "interactive"}
+    assert registry.get_sample_value("modeldock_queue_dispatched_total", interactive) == 1
+    assert registry.get_sample_value("modeldock_queue_wait_seconds_sum", interactive) == pytest.approx(0.5)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="default_class"):
+        QueueConfig(default_class="gold")
+    with pytest.raises(ValueError):
+        QueueConfig(max_length=0)
+    with pytest.raises(ValueError, match="unknown queue class"):
+        QueueConfig().priority("gold")
+    config = QueueConfig()
+    assert config.enabled and config.classes == {"interactive": 2, "standard": 1, "batch": 0}
