@@ -55,6 +55,7 @@ class SimApp:
                 web.get("/sim/fault", self.sim_get_fault),
                 web.post("/sim/fault", self.sim_fault),
                 web.post("/sim/slow", self.sim_slow),
+                web.post("/sim/speed", self.sim_speed),
             ]
         )
 
@@ -228,6 +229,15 @@ class SimApp:
             return web.json_response({"error": "extra_step_ms must be a non-negative number"}, status=400)
         self.driver.extra_step_s = extra / 1000.0
         return web.json_response({"extra_step_ms": extra})
+
+    async def sim_speed(self, request: web.Request) -> web.StreamResponse:
+        # Changes the time factor while running, e.g. 0.5 for a half-speed backend in a benchmark.
+        body = await read_json(request)
+        speed = body.get("speed") if isinstance(body, dict) else None
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < float("inf"):
+            return web.json_response({"error": "speed must be a positive number"}, status=400)
+        self.driver.speed = float(speed)
+        return web.json_response({"speed": speed})
 
 
 def _error(exc: ApiError) -> web.Response:
