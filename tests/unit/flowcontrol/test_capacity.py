@@ -6,7 +6,12 @@ import aiohttp
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from modeldock.flowcontrol import CounterReading, kv_capacity_tokens, read_counters, token_rate
+from modeldock.flowcontrol import (
+    CounterReading,
+    kv_capacity_tokens,
+    read_counters,
+    token_rate,
+)
 from modeldock.sim import SimConfig, start_simulator
 
 

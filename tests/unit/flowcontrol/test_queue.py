@@ -12,7 +12,14 @@ from prometheus_client import CollectorRegistry
 
 from modeldock.clock import SystemClock
 from modeldock.errors import RateLimited, Unavailable
-from modeldock.flowcontrol import FlowQueue, FlowQueues, Item, QueueConfig, QueueMetrics, State
+from modeldock.flowcontrol import (
+    FlowQueue,
+    FlowQueues,
+    Item,
+    QueueConfig,
+    QueueMetrics,
+    State,
+)
 
 
 def tokens_and_requests(order: list[tuple[str, int, str]]) -> tuple[Counter[str], Counter[str]]:
