@@ -41,7 +41,7 @@ DECISIONS = "modeldock_admission_decisions_total"
 _RUN = secrets.token_hex(6)
 KEYS = {
     name: f"md-adm-{name}-{_RUN}"
-    for name in ("shared", "combo", "kill", "failopen", "conc", "rot1", "rot2")
+    for name in ("shared", "combo", "glob", "aliaskey", "kill", "failopen", "conc", "rot1", "rot2")
 }
 WRONG_KEY = f"md-adm-wrong-{_RUN}"
 # Every key string this module sends; none may appear in any log.
@@ -49,6 +49,7 @@ ALL_KEYS = [API_KEY, WRONG_KEY, *KEYS.values()]
 
 SHARED_LIMIT = 10
 COMBO_TENANT_LIMIT, COMBO_MODEL_LIMIT = 6, 3
+GLOB_LIMIT, ALIASKEY_LIMIT = 3, 2
 FAILOPEN_LIMIT = 4
 CONC_LIMIT = 2  # per replica
 REPLICAS = 2
@@ -62,6 +63,8 @@ def _tenants() -> list[dict[str, Any]]:
         tenant("shared", [KEYS["shared"]], requests_per_minute=SHARED_LIMIT),
         tenant("combo", [KEYS["combo"]], requests_per_minute=COMBO_TENANT_LIMIT,
                requests_per_minute_per_model={"demo-model": COMBO_MODEL_LIMIT}),
+        tenant("glob", [KEYS["glob"]], requests_per_minute_per_model={"demo-*": GLOB_LIMIT}),
+        tenant("aliaskey", [KEYS["aliaskey"]], requests_per_minute_per_model={"demo-b": ALIASKEY_LIMIT}),
         tenant("kill", [KEYS["kill"]], requests_per_minute=1000),
         tenant("failopen", [KEYS["failopen"]], requests_per_minute=FAILOPEN_LIMIT),
         tenant("conc", [KEYS["conc"]], max_in_flight=CONC_LIMIT),
@@ -272,7 +275,7 @@ def test_two_replicas_share_one_limit(env: Env) -> None:
         assert d["admitted"] + d["rate_limited"] > SHARED_LIMIT, (per_replica, extproc_health(stack))
 
 
-def test_tenant_and_model_limits_together(env: Env) -> None:
+def test_tenant_and_model_limits_together_and_an_alias_shares_the_model_window(env: Env) -> None:
     stack = env.stack
     first = burst(stack, KEYS["combo"], 10, model="demo-model")
     ok = [r for r in first if r.status == 200]
@@ -285,22 +288,32 @@ def test_tenant_and_model_limits_together(env: Env) -> None:
             assert r.status == 429 and r.error is not None
             assert "tenant combo on model demo-model" in r.error["message"], r.error
 
-    # The other model has no model limit: the tenant limit (3 of 6 used) lets exactly 3 more through.
+    # demo-b is a public alias served as demo-model: the same window (in Redis, across both replicas),
+    # so the alias does not get the tenant around the model's limit.
+    received = env.sims_received()
     second = burst(stack, KEYS["combo"], 10, model="demo-b")
-    ok = [r for r in second if r.status == 200]
-    assert len(ok) == COMBO_TENANT_LIMIT - COMBO_MODEL_LIMIT, statuses(second)
-    assert {r.headers["x-ratelimit-limit-requests"] for r in ok} == {str(COMBO_TENANT_LIMIT)}
-    assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in ok) == [0, 1, 2]
+    assert statuses(second) == {"429 rate_limit_exceeded": 10}
     for r in second:
-        if r.status != 200:
-            assert r.status == 429 and r.error is not None
-            assert f"tenant combo (limit {COMBO_TENANT_LIMIT})" in r.error["message"], r.error
-
-    # Both windows are full now.
-    for model in ("demo-model", "demo-b"):
-        r = post(stack, KEYS["combo"], chat(model))
-        assert_openai_error(r, 429, "rate_limit_exceeded")
+        assert r.error is not None
+        assert "tenant combo on model demo-model (requested as demo-b)" in r.error["message"], r.error
+        assert r.headers["x-ratelimit-limit-requests"] == str(COMBO_MODEL_LIMIT)
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert env.sims_received() == received
+
+
+def test_per_model_keys_are_globs_and_cover_every_name_of_the_served_model(env: Env) -> None:
+    stack = env.stack
+    # "demo-*" matches both public names; they serve one model, so they share one window of GLOB_LIMIT.
+    models = ["demo-model", "demo-b"] * 4
+    results = [post(stack, KEYS["glob"], chat(m)) for m in models]
+    assert [r.status for r in results].count(200) == GLOB_LIMIT, [r.status for r in results]
+    assert all(r.status == 200 for r in results[:GLOB_LIMIT])
+    for r in results[GLOB_LIMIT:]:
+        assert_openai_error(r, 429, "rate_limit_exceeded")
+    # A key naming the alias limits the model it serves, whichever name is sent.
+    results = [post(stack, KEYS["aliaskey"], chat("demo-model")) for _ in range(ALIASKEY_LIMIT + 2)]
+    assert [r.status for r in results] == [200] * ALIASKEY_LIMIT + [429, 429]
+    assert "on model demo-model" in results[-1].json()["error"]["message"]
 
 
 def test_redis_down_fails_closed_then_recovers_on_same_port(env: Env) -> None:
