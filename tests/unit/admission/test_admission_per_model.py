@@ -3,6 +3,8 @@ the lowest matching limit binds, and keys that match nothing are config errors."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from modeldock.admission.limits import Admission
@@ -126,3 +128,27 @@ async def test_alias_cannot_dodge_the_shared_redis_window(redis_server: RedisSer
     finally:
         await a.close()
         await b.close()
+
+
+def test_config_check_names_the_field_of_a_key_that_matches_no_model(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = {
+        "tenants": [{"id": "acme", "api_key_hashes": [hash_key("k")], "models": ["*"],
+                     "requests_per_minute_per_model": {"llama-*": 5, "x": 1}}],
+        "models": [{"name": "llama-8b", "endpoints": ["127.0.0.1:1"]}],
+    }
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run = subprocess.run([sys.executable, "-m", "modeldock", "config", "check", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert f"{path}: tenants[0].requests_per_minute_per_model: 'x' matches no model" in run.stderr + run.stdout
+    del data["tenants"][0]["requests_per_minute_per_model"]["x"]
+    path.write_text(yaml.safe_dump(data))
+    run = subprocess.run([sys.executable, "-m", "modeldock", "config", "check", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
