@@ -90,6 +90,7 @@ class Admission:
         self._local = SlidingWindow(clock, window_seconds)
         self._concurrency = ConcurrencyLimiter()
         self.metrics = AdmissionMetrics(registry)
+        self.metrics.track_in_flight(self._concurrency.total)
         self._fail_open_log = _Throttle(clock, warn_interval_s)
         self._fail_closed_log = _Throttle(clock, warn_interval_s)
         self._limits = config.limits
