@@ -25,6 +25,14 @@ class ConfigError(Exception):
     """A config that cannot be used; the message names file, field and reason."""
 
 
+class _FieldError(ValueError):
+    """Raised by a whole-config check to name the field at fault (`loc`), not the top level."""
+
+    def __init__(self, loc: tuple[int | str, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 def hash_key(key: str) -> str:
     """The stored form of an API key."""
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
@@ -39,6 +47,8 @@ class TenantConfig(_Strict):
     api_key_hashes: Annotated[list[str], Field(min_length=1)]
     models: Annotated[list[str], Field(min_length=1)]  # exact names or globs
     requests_per_minute: Annotated[int, Field(ge=0)] = 0  # 0 means no limit
+    # Keys are model names or globs, matched against every model's public and served name;
+    # the window is per served name (see modeldock/admission/README.md).
     requests_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
     max_in_flight: Annotated[int, Field(ge=0)] = 0  # 0 means no limit
 
@@ -90,6 +100,10 @@ class ModelConfig(_Strict):
     @property
     def upstream_name(self) -> str:
         return self.served_name or self.name
+
+    def matches(self, pattern: str) -> bool:
+        """A per-model limit key (a name or glob) covers this model by its public or its served name."""
+        return fnmatch.fnmatchcase(self.name, pattern) or fnmatch.fnmatchcase(self.upstream_name, pattern)
 
     def static_endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(Endpoint.parse(item) for item in self.endpoints or ())
@@ -164,6 +178,15 @@ class Config(_Strict):
                 seen.add(name)
         return self
 
+    @model_validator(mode="after")
+    def _per_model_keys_match(self) -> Config:
+        # A key that matches nothing limits nothing: most likely a typo, so refuse it.
+        for i, tenant in enumerate(self.tenants):
+            for key in tenant.requests_per_minute_per_model:
+                if not any(model.matches(key) for model in self.models):
+                    raise _FieldError(("tenants", i, "requests_per_minute_per_model"), f"{key!r} matches no model")
+        return self
+
     def model(self, name: str) -> ModelConfig | None:
         for model in self.models:
             if model.name == name:
@@ -189,6 +212,9 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         for err in exc.errors(include_url=False):
             # pydantic adds the validator kind to `loc` for unions; drop non-field parts.
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "union["))))
+            cause = err.get("ctx", {}).get("error")
+            if isinstance(cause, _FieldError):
+                loc = (*loc, *cause.loc)
             reason = err["msg"].removeprefix("Value error, ")
             lines.append(f"{source}: {_where(loc)}: {reason}")
         raise ConfigError("\n".join(lines)) from None

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from modeldock.admission.concurrency import ConcurrencyLimiter, Slot
 from modeldock.admission.headers import format_duration, ratelimit_headers, rejection_headers
 from modeldock.admission.metrics import AdmissionMetrics
+from modeldock.admission.per_model import PerModelLimits
 from modeldock.admission.redis_window import RedisUnavailable, RedisWindow, make_redis_client, model_key, tenant_key
 from modeldock.admission.window import WINDOW_SECONDS, Decision, SlidingWindow, binding
 from modeldock.clock import Clock
@@ -89,15 +90,18 @@ class Admission:
         self._local = SlidingWindow(clock, window_seconds)
         self._concurrency = ConcurrencyLimiter()
         self.metrics = AdmissionMetrics(registry)
+        self.metrics.track_in_flight(self._concurrency.total)
         self._fail_open_log = _Throttle(clock, warn_interval_s)
         self._fail_closed_log = _Throttle(clock, warn_interval_s)
         self._limits = config.limits
+        self._per_model = PerModelLimits(config)
         self._redis = self._make_redis(config.limits)
         self._retired: list[RedisWindow] = []
         self._retiring: set[asyncio.Task[None]] = set()
 
     async def admit(self, tenant: TenantConfig, model: str) -> Ticket:
         """A ticket for the request, or raise RateLimited (429) or Unavailable (503).
+        `model` is the public name the client sent; per-model windows count its served name.
 
         Nothing is held when this raises, including on cancellation.
         """
@@ -123,9 +127,10 @@ class Admission:
 
     def reconfigure(self, config: Config) -> None:
         """Take new limits. Window and in-flight state is kept: it is keyed by tenant
-        and model, and limits are read from the TenantConfig passed to `admit`."""
+        and served model name, and limits are read from the TenantConfig passed to `admit`."""
         old, new = self._limits, config.limits
         self._limits = new
+        self._per_model = PerModelLimits(config)
         if (old.redis_url, old.redis_timeout_ms) == (new.redis_url, new.redis_timeout_ms):
             return
         if self._redis is not None:
@@ -195,10 +200,13 @@ class Admission:
         if tenant.requests_per_minute > 0:
             limits.append((tenant_key(tenant.id), tenant.requests_per_minute))
             labels.append(f"tenant {tenant.id}")
-        per_model = tenant.requests_per_minute_per_model.get(model, 0)
-        if per_model > 0:
-            limits.append((model_key(tenant.id, model), per_model))
-            labels.append(f"tenant {tenant.id} on model {model}")
+        if tenant.requests_per_minute_per_model:
+            # Counted per served name, so an alias shares the window of the model it serves.
+            per_model = self._per_model.lookup(tenant, model)
+            if per_model.limit > 0:
+                limits.append((model_key(tenant.id, per_model.upstream), per_model.limit))
+                via = f" (requested as {model})" if per_model.upstream != model else ""
+                labels.append(f"tenant {tenant.id} on model {per_model.upstream}{via}")
         return limits, labels
 
     def _undo_local(self, limits: list[tuple[str, int]], decision: Decision) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 OUTCOMES = ("admitted", "rate_limited", "concurrency_limited", "unavailable")
 
@@ -14,6 +16,7 @@ class AdmissionMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._registry = registry
         self.decisions: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.redis_errors = 0
         self.fail_open_passes = 0
@@ -39,6 +42,12 @@ class AdmissionMetrics:
                 "Requests admitted without a Redis check because Redis failed and redis_fail_open is set.",
                 registry=registry,
             )
+
+    def track_in_flight(self, read: Callable[[], int]) -> None:
+        """Export `modeldock_admission_in_flight`: tickets not yet released, all tenants (read at scrape)."""
+        if self._registry is not None:
+            Gauge("modeldock_admission_in_flight", "Admitted requests whose ticket is not yet released.",
+                  registry=self._registry).set_function(read)
 
     def decision(self, outcome: str) -> None:
         self.decisions[outcome] += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 import time
@@ -12,15 +13,21 @@ from typing import TextIO
 from modeldock.bench.report import PlotUnavailable, format_table, require_matplotlib, to_json, write_plot
 from modeldock.bench.results import BenchOptions
 from modeldock.bench.runner import Progress, run_benchmark
+from modeldock.bench.target import DEFAULT_URL, first_model, resolve_url
 
 TOKEN_ENV = "GATEWAY_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", required=True, help="base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8080/v1"
+        "--url",
+        default=DEFAULT_URL,
+        help=f"the OpenAI-compatible API: a base URL ({DEFAULT_URL}) or a full endpoint URL "
+        f"(.../v1/chat/completions, .../v1/completions) (default {DEFAULT_URL})",
     )
-    parser.add_argument("--model", required=True, help="model name sent in every request")
+    parser.add_argument(
+        "--model", help="model name sent in every request (default: the first model GET /v1/models lists)"
+    )
     parser.add_argument("--requests", type=_positive_int, default=100, help="measured requests per tier (default 100)")
     parser.add_argument(
         "--concurrency",
@@ -39,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens", type=_positive_int, default=128, help="output cap per request (default 128)")
     parser.add_argument(
-        "--endpoint", choices=("chat", "completions"), default="chat", help="API to call (default chat)"
+        "--endpoint",
+        choices=("chat", "completions"),
+        help="API to call (default chat, or the one a full endpoint URL names)",
     )
     parser.add_argument(
         "--usage", action="store_true", help="send stream_options.include_usage; needed for TPOT and output tok/s"
@@ -66,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0 when at least one request completed, 1 when none did or the plot failed, 2 on bad options."""
     try:
         options = options_from_args(args)
+        if not options.model:
+            model, count = asyncio.run(first_model(options.url, options.token, min(options.timeout, 10.0)))
+            options = dataclasses.replace(options, model=model)
+            print(f"modeldock bench: no --model given; using {model!r}, the first of {count} model(s) "
+                  f"listed at {options.url.rstrip('/')}/models", file=sys.stderr)
     except ValueError as exc:
         print(f"modeldock bench: {exc}", file=sys.stderr)
         return 2
@@ -93,15 +107,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """Options from the flags; `model` is empty when --model was not given (see `run`)."""
+    url, endpoint = resolve_url(args.url, args.endpoint)
     return BenchOptions(
-        url=args.url,
-        model=args.model,
+        url=url,
+        model=args.model or "",
         requests=args.requests,
         concurrency=tuple(args.concurrency),
         warmup=args.warmup,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
-        endpoint=args.endpoint,
+        endpoint=endpoint,
         usage=args.usage,
         timeout=args.timeout,
         token=os.environ.get(TOKEN_ENV) or None,

@@ -92,6 +92,17 @@ def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegist
     )
 
 
+# Envoy sends the whole buffered body in one gRPC message, with the request attributes (method, path,
+# x-request-id, Authorization). Attributes are request headers, which Envoy caps at 60 KiB by default
+# (max_request_headers_kb), so 1 MiB covers them and the protobuf framing with room to spare.
+RECEIVE_HEADROOM_BYTES = 1024 * 1024
+
+
+def grpc_receive_limit(max_body_bytes: int) -> int:
+    """`grpc.max_receive_message_length` for ext_proc: a body of `max_body_bytes` plus its attributes."""
+    return max_body_bytes + RECEIVE_HEADROOM_BYTES
+
+
 def with_env_redis(config: Config) -> Config:
     """Use $REDIS_URL for the shared rate-limit windows when the config sets no `limits.redis_url`."""
     url = os.environ.get("REDIS_URL")
@@ -138,6 +149,8 @@ class ExtProcServer:
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self._server: grpc.aio.Server | None = None
+        # Fixed when the server is built: a reload cannot change it (see _watch_config).
+        self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self.bound_port = 0
         self.health = Health("envoy.service.ext_proc.v3.ExternalProcessor")
@@ -149,7 +162,7 @@ class ExtProcServer:
         if self.options.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(self.options.config_path), name="reload"))
         freeze_startup_objects()
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.receive_limit)])
         add_servicer(self.servicer, self._server)
         self.attempts.add_to(self._server)
         self.health.add_to(self._server)
@@ -188,6 +201,11 @@ class ExtProcServer:
                 continue
             if [m.name for m in config.models] != [m.name for m in self.gateway.config.models]:
                 log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
+            if grpc_receive_limit(config.limits.max_body_bytes) > self.receive_limit:
+                log.warning("config reload: limits.max_body_bytes rose to %d; bodies above %d bytes need a "
+                            "restart of ext_proc (its gRPC receive limit) and of Envoy (its buffer limit, "
+                            "`modeldock envoy-config --max-body-bytes`)", config.limits.max_body_bytes,
+                            self.receive_limit - RECEIVE_HEADROOM_BYTES)
             self.gateway.apply_config(config)
             log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
 

@@ -41,7 +41,7 @@ DECISIONS = "modeldock_admission_decisions_total"
 _RUN = secrets.token_hex(6)
 KEYS = {
     name: f"md-adm-{name}-{_RUN}"
-    for name in ("shared", "combo", "kill", "failopen", "conc", "rot1", "rot2")
+    for name in ("shared", "combo", "glob", "aliaskey", "kill", "failopen", "conc", "rot1", "rot2")
 }
 WRONG_KEY = f"md-adm-wrong-{_RUN}"
 # Every key string this module sends; none may appear in any log.
@@ -49,6 +49,7 @@ ALL_KEYS = [API_KEY, WRONG_KEY, *KEYS.values()]
 
 SHARED_LIMIT = 10
 COMBO_TENANT_LIMIT, COMBO_MODEL_LIMIT = 6, 3
+GLOB_LIMIT, ALIASKEY_LIMIT = 3, 2
 FAILOPEN_LIMIT = 4
 CONC_LIMIT = 2  # per replica
 REPLICAS = 2
@@ -62,6 +63,8 @@ def _tenants() -> list[dict[str, Any]]:
         tenant("shared", [KEYS["shared"]], requests_per_minute=SHARED_LIMIT),
         tenant("combo", [KEYS["combo"]], requests_per_minute=COMBO_TENANT_LIMIT,
                requests_per_minute_per_model={"demo-model": COMBO_MODEL_LIMIT}),
+        tenant("glob", [KEYS["glob"]], requests_per_minute_per_model={"demo-*": GLOB_LIMIT}),
+        tenant("aliaskey", [KEYS["aliaskey"]], requests_per_minute_per_model={"demo-b": ALIASKEY_LIMIT}),
         tenant("kill", [KEYS["kill"]], requests_per_minute=1000),
         tenant("failopen", [KEYS["failopen"]], requests_per_minute=FAILOPEN_LIMIT),
         tenant("conc", [KEYS["conc"]], max_in_flight=CONC_LIMIT),
@@ -272,7 +275,7 @@ def test_two_replicas_share_one_limit(env: Env) -> None:
         assert d["admitted"] + d["rate_limited"] > SHARED_LIMIT, (per_replica, extproc_health(stack))
 
 
-def test_tenant_and_model_limits_together(env: Env) -> None:
+def test_tenant_and_model_limits_together_and_an_alias_shares_the_model_window(env: Env) -> None:
     stack = env.stack
     first = burst(stack, KEYS["combo"], 10, model="demo-model")
     ok = [r for r in first if r.status == 200]
@@ -285,22 +288,32 @@ def test_tenant_and_model_limits_together(env: Env) -> None:
             assert r.status == 429 and r.error is not None
             assert "tenant combo on model demo-model" in r.error["message"], r.error
 
-    # The other model has no model limit: the tenant limit (3 of 6 used) lets exactly 3 more through.
+    # demo-b is a public alias served as demo-model: the same window (in Redis, across both replicas),
+    # so the alias does not get the tenant around the model's limit.
+    received = env.sims_received()
     second = burst(stack, KEYS["combo"], 10, model="demo-b")
-    ok = [r for r in second if r.status == 200]
-    assert len(ok) == COMBO_TENANT_LIMIT - COMBO_MODEL_LIMIT, statuses(second)
-    assert {r.headers["x-ratelimit-limit-requests"] for r in ok} == {str(COMBO_TENANT_LIMIT)}
-    assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in ok) == [0, 1, 2]
+    assert statuses(second) == {"429 rate_limit_exceeded": 10}
     for r in second:
-        if r.status != 200:
-            assert r.status == 429 and r.error is not None
-            assert f"tenant combo (limit {COMBO_TENANT_LIMIT})" in r.error["message"], r.error
-
-    # Both windows are full now.
-    for model in ("demo-model", "demo-b"):
-        r = post(stack, KEYS["combo"], chat(model))
-        assert_openai_error(r, 429, "rate_limit_exceeded")
+        assert r.error is not None
+        assert "tenant combo on model demo-model (requested as demo-b)" in r.error["message"], r.error
+        assert r.headers["x-ratelimit-limit-requests"] == str(COMBO_MODEL_LIMIT)
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert env.sims_received() == received
+
+
+def test_per_model_keys_are_globs_and_cover_every_name_of_the_served_model(env: Env) -> None:
+    stack = env.stack
+    # "demo-*" matches both public names; they serve one model, so they share one window of GLOB_LIMIT.
+    models = ["demo-model", "demo-b"] * 4
+    results = [post(stack, KEYS["glob"], chat(m)) for m in models]
+    assert [r.status for r in results].count(200) == GLOB_LIMIT, [r.status for r in results]
+    assert all(r.status == 200 for r in results[:GLOB_LIMIT])
+    for r in results[GLOB_LIMIT:]:
+        assert_openai_error(r, 429, "rate_limit_exceeded")
+    # A key naming the alias limits the model it serves, whichever name is sent.
+    results = [post(stack, KEYS["aliaskey"], chat("demo-model")) for _ in range(ALIASKEY_LIMIT + 2)]
+    assert [r.status for r in results] == [200] * ALIASKEY_LIMIT + [429, 429]
+    assert "on model demo-model" in results[-1].json()["error"]["message"]
 
 
 def test_redis_down_fails_closed_then_recovers_on_same_port(env: Env) -> None:
@@ -563,67 +576,116 @@ AUTH = ("Authorization", f"Bearer {API_KEY}")
 CT = ("content-type", "application/json")
 OK_BODY = json.dumps(chat()).encode()
 
-# name -> (how to send, status, expected error code(s))
+Send = Callable[[Stack], RawResponse]
+# The OpenAI error type each status carries.
+ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+              404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def case(name: str, send: Send, status: int, codes: str | tuple[str, ...]) -> Any:
+    """One row of the bad-input matrix: how to send it, the status, the error code(s) it must get."""
+    return pytest.param(send, status, codes, id=name)
+
+
+def call(method: str, path: str, body: bytes | None = None, key: str | None = API_KEY) -> Send:
+    """A request with any method and path under /v1."""
+    headers = [CT] + ([("Authorization", f"Bearer {key}")] if key is not None else [])
+    return lambda s: raw_request(method, f"{s.base_url}{path}", body, headers, timeout=30)
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model":"demo-model","x":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
+
+
+# Append rows here; each one is sent alone and then followed by a normal request.
 BAD_INPUTS: list[Any] = [
-    pytest.param("content_length_over_limit", lambda s: post(s, API_KEY, _big(MAX_BODY)), 413,
-                 "request_too_large", id="too-large-content-length"),
-    pytest.param("chunked_over_limit", lambda s: chunked_request(s, _big(MAX_BODY), [AUTH, CT]), 413,
-                 "request_too_large", id="too-large-chunked"),
-    pytest.param("chunked_over_envoy_buffer",
-                 lambda s: chunked_request(s, _big(MAX_BODY + 2 * 1024 * 1024), [AUTH, CT]), 413,
-                 "request_too_large", id="too-large-chunked-beyond-envoy-buffer"),
-    pytest.param("not_json", lambda s: post(s, API_KEY, b"{model: demo-model"), 400, "invalid_json", id="not-json"),
-    pytest.param("deep_json", lambda s: post(s, API_KEY, b"[" * 30000 + b"]" * 30000), 400, "invalid_json",
-                 id="json-nested-30000-deep"),
-    pytest.param("bigint", lambda s: post(s, API_KEY, b'{"model":"demo-model","n":' + b"9" * 5000 + b"}"), 400,
-                 ("invalid_json", "invalid_body"), id="json-5000-digit-integer"),
-    pytest.param("array", lambda s: post(s, API_KEY, b'[{"model":"demo-model"}]'), 400, "invalid_body",
-                 id="json-array"),
-    pytest.param("string", lambda s: post(s, API_KEY, b'"demo-model"'), 400, "invalid_body", id="json-string"),
-    pytest.param("null", lambda s: post(s, API_KEY, b"null"), 400, "invalid_body", id="json-null"),
-    pytest.param("model_int", lambda s: post(s, API_KEY, {"model": 7}), 400, "invalid_model", id="model-int"),
-    pytest.param("model_list", lambda s: post(s, API_KEY, {"model": ["demo-model"]}), 400, "invalid_model",
-                 id="model-list"),
-    pytest.param("model_null", lambda s: post(s, API_KEY, {"model": None}), 400, "missing_model", id="model-null"),
-    pytest.param("model_crlf", lambda s: post(s, API_KEY, chat("demo-model\r\nx-injected: 1")), 400,
-                 "invalid_model", id="model-crlf"),
-    pytest.param("model_nul", lambda s: post(s, API_KEY, chat("demo-model\x00")), 400, "invalid_model",
-                 id="model-nul"),
-    pytest.param("model_tab", lambda s: post(s, API_KEY, chat("demo\tmodel")), 400, "invalid_model",
-                 id="model-tab"),
-    pytest.param("model_del", lambda s: post(s, API_KEY, chat("demo-model\x7f")), 400, "invalid_model",
-                 id="model-del"),
-    pytest.param("model_long", lambda s: post(s, API_KEY, chat("demo-" + "m" * 300)), 400, "invalid_model",
-                 id="model-300-chars"),
-    pytest.param("body_not_utf8", lambda s: post(s, API_KEY, b'{"model":"demo-\xff\xfe"}'), 400, "invalid_body",
-                 id="body-not-utf8"),
-    pytest.param("unknown_key", lambda s: post(s, WRONG_KEY, OK_BODY), 401, "invalid_api_key", id="unknown-key"),
-    pytest.param("bearer_empty", lambda s: post(s, None, OK_BODY, extra=[("Authorization", "Bearer ")]), 401,
-                 "missing_api_key", id="empty-bearer-key"),
-    pytest.param("header_empty", lambda s: post(s, None, OK_BODY, extra=[("Authorization", "")]), 401,
-                 "missing_api_key", id="empty-authorization"),
-    pytest.param("no_header", lambda s: post(s, None, OK_BODY), 401, "missing_api_key", id="no-authorization"),
+    # Size
+    case("too-large-content-length", lambda s: post(s, API_KEY, _big(MAX_BODY)), 413, "request_too_large"),
+    case("too-large-chunked", lambda s: chunked_request(s, _big(MAX_BODY), [AUTH, CT]), 413, "request_too_large"),
+    case("too-large-chunked-beyond-envoy-buffer",
+         lambda s: chunked_request(s, _big(MAX_BODY + 2 * 1024 * 1024), [AUTH, CT]), 413, "request_too_large"),
+    case("too-large-completions-endpoint", lambda s: post(s, API_KEY, _big(MAX_BODY), path="/completions"), 413,
+         "request_too_large"),
+    # Body: not JSON, or JSON that is not a request
+    case("empty-body", lambda s: post(s, API_KEY, b""), 400, "invalid_body"),
+    case("whitespace-body", lambda s: post(s, API_KEY, b"  \r\n\t "), 400, "invalid_body"),
+    case("not-json", lambda s: post(s, API_KEY, b"{model: demo-model"), 400, "invalid_json"),
+    case("truncated-json", lambda s: post(s, API_KEY, OK_BODY[:-1]), 400, "invalid_json"),
+    case("json-trailing-garbage", lambda s: post(s, API_KEY, OK_BODY + b"}"), 400, "invalid_json"),
+    case("not-json-completions-endpoint", lambda s: post(s, API_KEY, b"prompt=hi", path="/completions"), 400,
+         "invalid_json"),
+    case("json-nested-30000-deep", lambda s: post(s, API_KEY, b"[" * 30000 + b"]" * 30000), 400, "invalid_json"),
+    case("json-objects-nested-10000-deep", lambda s: post(s, API_KEY, nested(10000)), 400, "invalid_json"),
+    case("json-5000-digit-integer",
+         lambda s: post(s, API_KEY, b'{"model":"demo-model","n":' + b"9" * 5000 + b"}"), 400,
+         ("invalid_json", "invalid_body")),
+    case("json-nan", lambda s: post(s, API_KEY, b'{"model":"demo-model","temperature":NaN}'), 400, "invalid_json"),
+    case("json-infinity", lambda s: post(s, API_KEY, b'{"model":"demo-model","temperature":-Infinity}'), 400,
+         "invalid_json"),
+    case("json-float-overflow", lambda s: post(s, API_KEY, b'{"model":"demo-model","temperature":1e999}'), 400,
+         "invalid_json"),
+    case("json-array", lambda s: post(s, API_KEY, b'[{"model":"demo-model"}]'), 400, "invalid_body"),
+    case("json-string", lambda s: post(s, API_KEY, b'"demo-model"'), 400, "invalid_body"),
+    case("json-number", lambda s: post(s, API_KEY, b"42"), 400, "invalid_body"),
+    case("json-null", lambda s: post(s, API_KEY, b"null"), 400, "invalid_body"),
+    case("body-not-utf8", lambda s: post(s, API_KEY, b'{"model":"demo-\xff\xfe"}'), 400, "invalid_body"),
+    case("body-utf16", lambda s: post(s, API_KEY, json.dumps(chat()).encode("utf-16")), 400, "invalid_body"),
+    case("body-utf8-bom", lambda s: post(s, API_KEY, b"\xef\xbb\xbf" + OK_BODY), 400, "invalid_json"),
+    # The model field
+    case("model-missing", lambda s: post(s, API_KEY, {"messages": MSG}), 400, "missing_model"),
+    case("model-null", lambda s: post(s, API_KEY, {"model": None}), 400, "missing_model"),
+    case("model-int", lambda s: post(s, API_KEY, {"model": 7}), 400, "invalid_model"),
+    case("model-bool", lambda s: post(s, API_KEY, {"model": True}), 400, "invalid_model"),
+    case("model-list", lambda s: post(s, API_KEY, {"model": ["demo-model"]}), 400, "invalid_model"),
+    case("model-object", lambda s: post(s, API_KEY, {"model": {"name": "demo-model"}}), 400, "invalid_model"),
+    case("model-empty", lambda s: post(s, API_KEY, chat("")), 400, "invalid_model"),
+    case("model-crlf", lambda s: post(s, API_KEY, chat("demo-model\r\nx-injected: 1")), 400, "invalid_model"),
+    case("model-nul", lambda s: post(s, API_KEY, chat("demo-model\x00")), 400, "invalid_model"),
+    case("model-tab", lambda s: post(s, API_KEY, chat("demo\tmodel")), 400, "invalid_model"),
+    case("model-del", lambda s: post(s, API_KEY, chat("demo-model\x7f")), 400, "invalid_model"),
+    case("model-300-chars", lambda s: post(s, API_KEY, chat("demo-" + "m" * 300)), 400, "invalid_model"),
+    case("model-unknown", lambda s: post(s, API_KEY, chat("no-such-model")), 404, "model_not_found"),
+    # Paths and methods
+    case("unknown-path-with-body", lambda s: post(s, API_KEY, OK_BODY, path="/embeddings"), 404, "unknown_url"),
+    case("completions-path-trailing-slash", lambda s: post(s, API_KEY, OK_BODY, path="/chat/completions/"), 404,
+         "unknown_url"),
+    case("unknown-path-without-body", call("GET", "/nothing-here"), 404, "unknown_url"),
+    case("get-chat-completions", call("GET", "/chat/completions"), 400, "method_not_allowed"),
+    case("put-chat-completions", call("PUT", "/chat/completions", OK_BODY), 400, "method_not_allowed"),
+    case("delete-completions", call("DELETE", "/completions", OK_BODY), 400, "method_not_allowed"),
+    case("post-models", call("POST", "/models", OK_BODY), 400, "method_not_allowed"),
+    # Keys
+    case("unknown-key", lambda s: post(s, WRONG_KEY, OK_BODY), 401, "invalid_api_key"),
+    case("empty-bearer-key", lambda s: post(s, None, OK_BODY, extra=[("Authorization", "Bearer ")]), 401,
+         "missing_api_key"),
+    case("empty-authorization", lambda s: post(s, None, OK_BODY, extra=[("Authorization", "")]), 401,
+         "missing_api_key"),
+    case("no-authorization", lambda s: post(s, None, OK_BODY), 401, "missing_api_key"),
+    case("models-without-key", call("GET", "/models", key=None), 401, "missing_api_key"),
+    case("models-unknown-key", call("GET", "/models", key=WRONG_KEY), 401, "invalid_api_key"),
     # Envoy joins repeated Authorization headers into one value, which then matches no key.
-    pytest.param("dup_same", lambda s: post(s, API_KEY, OK_BODY, extra=[AUTH]), 401,
-                 ("invalid_authorization", "invalid_api_key"), id="duplicate-authorization-same-key"),
-    pytest.param("dup_other", lambda s: post(s, WRONG_KEY, OK_BODY, extra=[AUTH]), 401,
-                 ("invalid_authorization", "invalid_api_key"), id="duplicate-authorization-other-key"),
-    pytest.param("basic", lambda s: post(s, None, OK_BODY, extra=[("Authorization", "Basic dXNlcjpwYXNz")]), 401,
-                 "invalid_authorization", id="basic-scheme"),
-    pytest.param("key_not_utf8", lambda s: post(s, None, OK_BODY, extra=[("Authorization", b"Bearer \xff\xfe\x80")]),
-                 401, "invalid_api_key", id="key-not-utf8"),
+    case("duplicate-authorization-same-key", lambda s: post(s, API_KEY, OK_BODY, extra=[AUTH]), 401,
+         ("invalid_authorization", "invalid_api_key")),
+    case("duplicate-authorization-other-key", lambda s: post(s, WRONG_KEY, OK_BODY, extra=[AUTH]), 401,
+         ("invalid_authorization", "invalid_api_key")),
+    case("basic-scheme", lambda s: post(s, None, OK_BODY, extra=[("Authorization", "Basic dXNlcjpwYXNz")]), 401,
+         "invalid_authorization"),
+    case("key-with-inner-space", lambda s: post(s, None, OK_BODY, extra=[("Authorization", f"Bearer {API_KEY} x")]),
+         401, "invalid_api_key"),
+    case("key-not-utf8", lambda s: post(s, None, OK_BODY, extra=[("Authorization", b"Bearer \xff\xfe\x80")]),
+         401, "invalid_api_key"),
 ]
 
 
-@pytest.mark.parametrize(("name", "send", "status", "codes"), BAD_INPUTS)
-def test_bad_input_gets_a_clear_openai_error(env: Env, name: str, send: Callable[[Stack], RawResponse],
-                                             status: int, codes: str | tuple[str, ...]) -> None:
+@pytest.mark.parametrize(("send", "status", "codes"), BAD_INPUTS)
+def test_bad_input_gets_a_clear_openai_error(env: Env, send: Send, status: int, codes: str | tuple[str, ...]) -> None:
     stack = env.stack
     logs = extproc_logs(stack)
     offsets = [log.stat().st_size for log in logs]
     received = env.sims_received()
     r = send(stack)
-    assert_openai_error(r, status, codes)
+    err = assert_openai_error(r, status, codes)
+    assert err["type"] == ERROR_TYPE[status], err
     assert API_KEY not in r.body.decode(errors="replace")
     assert env.sims_received() == received, "a rejected request reached a backend"
     # Nothing crashed, nothing leaked, and the gateway still serves.
@@ -635,6 +697,32 @@ def test_bad_input_gets_a_clear_openai_error(env: Env, name: str, send: Callable
             f.seek(offset)
             new = f.read().decode(errors="replace")
         assert "Traceback" not in new and "stream failed" not in new, new[-3000:]
+
+
+def test_after_the_bad_inputs_nothing_is_left_counted(env: Env) -> None:
+    """Every bad input above ran first: the gateway still serves, and every count of requests in flight
+    (ext_proc's, the picker's per endpoint, admission's tickets) is back to 0 on every replica."""
+    stack = env.stack
+    client = stack.openai(timeout=30)
+    done = client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1)
+    assert done.choices[0].message.content is not None
+
+    def counts() -> list[tuple[float, dict[str, float], float]]:
+        out = []
+        for port in stack.extproc_metrics_ports:
+            text = _metrics_text(port)
+            per_endpoint = {m.group(1): float(m.group(2))
+                            for m in re.finditer(r"^modeldock_picker_in_flight(\{[^}]*\}) (\S+)$", text, re.M)}
+            admission = re.search(r"^modeldock_admission_in_flight (\S+)$", text, re.M)
+            in_flight = re.search(r"^modeldock_in_flight (\S+)$", text, re.M)
+            assert per_endpoint and admission and in_flight, text[-2000:]
+            out.append((float(in_flight.group(1)), per_endpoint, float(admission.group(1))))
+        return out
+
+    wait_until(lambda: all(a == 0 and not any(e.values()) and c == 0 for a, e, c in counts()), 10,
+               what="every in-flight count back to 0")
+    for _, per_endpoint, _ in counts():  # the picker's gauge covers every backend
+        assert all(any(sim.address in labels for labels in per_endpoint) for sim in stack.sims), per_endpoint
 
 
 # ---------------------------------------------------------------- secrets

@@ -24,9 +24,17 @@ def tenant(
     )
 
 
+# Models the tests name; "big-alias" is a public alias served as "big", "llama-8b" is served as "meta/llama-8b".
+MODELS = (
+    ModelConfig(name="m", endpoints=["127.0.0.1:8000"]),
+    ModelConfig(name="big", endpoints=["127.0.0.1:8001"]),
+    ModelConfig(name="big-alias", served_name="big", endpoints=["127.0.0.1:8001"]),
+    ModelConfig(name="small", endpoints=["127.0.0.1:8002"]),
+    ModelConfig(name="other", endpoints=["127.0.0.1:8003"]),
+    ModelConfig(name="llama-8b", served_name="meta/llama-8b", endpoints=["127.0.0.1:8004"]),
+    ModelConfig(name="fast", served_name="meta/llama-8b", endpoints=["127.0.0.1:8004"]),
+)
+
+
 def config(*tenants: TenantConfig, **limits: Any) -> Config:
-    return Config(
-        tenants=list(tenants),
-        models=[ModelConfig(name="m", endpoints=["127.0.0.1:8000"])],
-        limits=LimitsConfig(**limits),
-    )
+    return Config(tenants=list(tenants), models=list(MODELS), limits=LimitsConfig(**limits))

@@ -180,10 +180,13 @@ async def test_prometheus_counters_on_a_given_registry() -> None:
     registry = CollectorRegistry()
     t = tenant(rpm=1)
     admission = Admission(config(t), FakeClock(), registry=registry)
-    await admission.admit(t, "m")
+    ticket = await admission.admit(t, "m")
     with pytest.raises(RateLimited):
         await admission.admit(t, "m")
     value = registry.get_sample_value
+    assert value("modeldock_admission_in_flight") == 1  # the rejected request holds nothing
+    ticket.release()
+    assert value("modeldock_admission_in_flight") == 0
     assert value("modeldock_admission_decisions_total", {"outcome": "admitted"}) == 1
     assert value("modeldock_admission_decisions_total", {"outcome": "rate_limited"}) == 1
     assert value("modeldock_admission_decisions_total", {"outcome": "unavailable"}) == 0

@@ -35,12 +35,18 @@ class FakeOpenAI:
         self.bodies: list[dict[str, Any]] = []
         self.paths: list[str] = []
         self.auth_headers: list[str | None] = []
+        self.model_ids: list[str] = ["first-model", "second-model"]  # what GET /v1/models lists
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/v1/models", self.models)
         return app
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        self.auth_headers.append(request.headers.get("Authorization"))
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.model_ids]})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         arrival = self.arrivals

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ from bench_fake_server import FakeOpenAI
 
 import modeldock
 from modeldock.bench.cli import add_arguments, options_from_args, parse_tiers
+from modeldock.bench.target import resolve_url
 
 REPO = Path(modeldock.__file__).resolve().parent.parent
 
@@ -107,6 +109,8 @@ async def test_cli_json_is_the_only_thing_on_stdout(fake_openai: FakeOpenAI) -> 
     assert "secret-token" not in out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the `plot` extra)")
 async def test_cli_table_progress_and_plot(fake_openai: FakeOpenAI, tmp_path: Path) -> None:
     plot = tmp_path / "ttft.png"
     code, out, err = await run_cli(
@@ -137,3 +141,44 @@ async def test_cli_exits_nonzero_when_nothing_completed(fake_openai: FakeOpenAI)
     code, out, err = await run_cli("--url", fake_openai.base_url, "--model", "m", "--requests", "2", "--json")
     assert code == 1, err
     assert json.loads(out)["tiers"][0]["errors"] == {"429": 2}
+
+
+def test_url_may_be_a_base_a_server_or_a_full_endpoint() -> None:
+    cases = {
+        ("http://h:8000/v1", None): ("http://h:8000/v1", "chat"),
+        ("http://h:8000/v1/", "completions"): ("http://h:8000/v1", "completions"),
+        ("http://h:8000", None): ("http://h:8000/v1", "chat"),
+        ("http://h:8000/", None): ("http://h:8000/v1", "chat"),
+        ("http://h:8000/v1/chat/completions", None): ("http://h:8000/v1", "chat"),
+        ("http://h:8000/v1/chat/completions/", "chat"): ("http://h:8000/v1", "chat"),
+        ("http://h:8000/v1/completions", None): ("http://h:8000/v1", "completions"),
+        ("https://gw.example/openai/v1/chat/completions", None): ("https://gw.example/openai/v1", "chat"),
+    }
+    for (url, endpoint), expected in cases.items():
+        assert resolve_url(url, endpoint) == expected, url
+    for url, endpoint in (("http://h/v1/chat/completions", "completions"), ("h:8000/v1", None), ("ftp://h/v1", None)):
+        with pytest.raises(ValueError):
+            resolve_url(url, endpoint)
+
+
+async def test_cli_takes_a_full_endpoint_url_and_defaults_to_the_first_listed_model(fake_openai: FakeOpenAI) -> None:
+    code, out, err = await run_cli(
+        "--url", fake_openai.base_url + "/chat/completions", "--requests", "3", "--concurrency", "2", "--json",
+        "--timeout", "5", token="tok",
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["tiers"][0]["completed"] == 3 and data["tiers"][0]["errors"] == {}
+    assert data["tiers"][0]["params"]["model"] == "first-model"
+    assert "using 'first-model', the first of 2 model(s)" in err
+    assert fake_openai.paths == ["/v1/chat/completions"] * 3  # not .../chat/completions/chat/completions
+    assert {b["model"] for b in fake_openai.bodies} == {"first-model"}
+    assert set(fake_openai.auth_headers) == {"Bearer tok"}  # the model list was asked with the token too
+
+
+async def test_cli_without_model_and_no_models_listed_says_so(fake_openai: FakeOpenAI) -> None:
+    fake_openai.model_ids = []
+    code, out, err = await run_cli("--url", fake_openai.base_url, "--requests", "1", "--json")
+    assert code == 2 and out == ""
+    assert "lists no models; pass --model" in err
+    assert fake_openai.arrivals == 0
