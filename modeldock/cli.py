@@ -73,8 +73,15 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from modeldock.config import ListenerConfig
     from modeldock.envoy import BootstrapOptions, render_bootstrap
 
+    # The config's `listener:` and `limits.max_body_bytes`, when a config is given.
+    listener, max_body = ListenerConfig(), args.max_body_bytes
+    if args.config:
+        config = _load(args.config)
+        listener = config.listener
+        max_body = args.max_body_bytes if args.max_body_bytes is not None else config.limits.max_body_bytes
     host_x, _, port_x = args.xds.rpartition(":")
     extprocs = tuple(e.strip() for e in args.extproc.split(",") if e.strip())
     host_e, _, port_e = extprocs[0].rpartition(":")
@@ -82,7 +89,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         listen_port=args.port, admin_port=args.admin_port, xds_port=int(port_x), extproc_port=int(port_e),
         listen_host=args.listen_host, xds_host=host_x, extproc_host=host_e.strip("[]"), node_id=args.node_id,
         extproc_endpoints=extprocs if len(extprocs) > 1 else (),
-        buffer_limit=args.max_body_bytes,
+        buffer_limit=max_body or 4 * 1024 * 1024, listener=listener,
     )), end="")
     return 0
 
@@ -133,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--xds", default="127.0.0.1:18000", help="xDS server host:port")
     env.add_argument("--extproc", default="127.0.0.1:18001",
                      help="ext_proc host:port, or a comma-separated list of replicas")
-    env.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                     help="the config's limits.max_body_bytes; Envoy refuses larger bodies with a JSON 413")
+    env.add_argument("--config", help="take `listener:` (timeouts, HTTP/2 streams, heap limit, ext_proc "
+                     "message timeout) and limits.max_body_bytes from this config file")
+    env.add_argument("--max-body-bytes", type=int,
+                     help="Envoy refuses larger bodies with a JSON 413 (default: the config's "
+                          "limits.max_body_bytes, else 4194304)")
     env.add_argument("--node-id", default="modeldock-envoy", help="Envoy node id")
     env.set_defaults(func=cmd_envoy_config)
 

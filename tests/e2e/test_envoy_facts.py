@@ -195,6 +195,17 @@ class Rig:
     ports: list[int]
     listen: int
     retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (request id, endpoint)
+    log: Path  # Envoy's stdout and stderr: the access log
+
+    async def access_log(self, count: int = 1) -> list[str]:
+        """Envoy's access log lines, once there are `count` (each is written when its stream ends)."""
+        for _ in range(200):
+            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.startswith("[")
+                     and '"' in line and " id=" in line]
+            if len(lines) >= count:
+                return lines
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"fewer than {count} access log lines:\n{self.log.read_text()[-2000:]}")
 
     async def post(self, body: bytes | None = BODY, headers: list[tuple[str, str | bytes]] | None = None,
                    path: str = "/v1/chat/completions", method: str = "POST") -> Reply:
@@ -237,7 +248,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             await asyncio.sleep(0.05)
         else:
             pytest.fail(f"Envoy did not start: {(tmp_path / 'envoy.log').read_text()[-2000:]}")
-        yield Rig(extproc, upstream, ports, listen, retries)
+        yield Rig(extproc, upstream, ports, listen, retries, tmp_path / "envoy.log")
     finally:
         if proc is not None:
             proc.terminate()
@@ -348,8 +359,13 @@ async def test_envoys_reply_after_every_endpoint_failed_is_a_json_503(rig: Rig) 
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     err = r.error()
     assert err["code"] == "upstream_unavailable" and err["type"] == "server_error"
-    assert "`m`" in err["message"] and "connection_failure" in err["message"]
+    # Envoy's details go to the access log, not to the client.
+    assert err["message"] == "No endpoint of model `m` could take the request. Retry shortly."
     assert rig.extproc.streams[0].kinds == ["request_body"]
+    (line,) = await rig.access_log()
+    assert "UF" in line.partition("flags=")[2].split()[0]
+    assert "details=upstream_reset_before_response_started{" in line
+    assert "connection_refused" in line.partition("failure=")[2].lower()
 
 
 async def test_ext_procs_own_replies_pass_unchanged(rig: Rig) -> None:
@@ -414,8 +430,9 @@ async def test_content_length_follows_a_rewritten_body(rig: Rig) -> None:
 async def test_models_route_sends_request_headers(rig: Rig) -> None:
     r = await rig.post(body=None, method="GET", path="/v1/models",
                        headers=[("authorization", "Bearer k"), ("x-other", "1"), ("x-request-id", "r-1")])
-    # The scripted servicer answers headers with "continue", so the route's own reply follows.
-    assert r.status_code == 404
+    # The scripted servicer answers headers with "continue", so the route's own reply follows: the
+    # real ext_proc answers the model list itself, so that reply means ext_proc was passed by.
+    assert (r.status_code, r.error()["code"]) == (503, "gateway_unavailable")
     (stream,) = rig.extproc.streams
     assert stream.kinds == ["request_headers"]
     # forward_rules: only the headers ext_proc reads are copied into the message.
