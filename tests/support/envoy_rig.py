@@ -259,6 +259,7 @@ async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None) -> A
         path.write_text(json.dumps(bootstrap(listen, admin, extproc_port, ports, listener)))  # JSON is YAML
         proc = await asyncio.create_subprocess_exec(
             envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning",
+            "--file-flush-interval-msec", "20",  # the access log, at once
             stdout=log, stderr=log)
         for _ in range(200):
             try:
