@@ -8,14 +8,21 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 
 from modeldock.config import ListenerConfig
 from tests.support.envoy_rig import BODY, Reply, Rig, envoy_rig, route
+from tests.support.stack import Stack, running_stack, wait_until
+
+MSG = [{"role": "user", "content": "Tell me a long story."}]
 
 pytestmark = pytest.mark.e2e
 
@@ -230,3 +237,63 @@ async def test_an_admitted_stream_outlives_ext_proc(rig: Rig) -> None:
     assert (r.status_code, r.error()["code"]) == (503, "gateway_unavailable")
     assert len(rig.upstream.received) == 1
     assert await rig.stat("http.modeldock.ext_proc.failure_mode_allowed") >= 2
+
+
+# ---- the whole stack: ext_proc killed under load ---------------------------------------------------------
+
+
+def _stream(stack: Stack, started: threading.Event, max_tokens: int) -> tuple[int, str | None]:
+    chunks, finish = 0, None
+    for chunk in stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=max_tokens,
+                                                        stream=True):
+        chunks += 1
+        started.set()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return chunks, finish
+
+
+def _scores(stack: Stack, port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()  # noqa: S310
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("modeldock_picker_score{")}
+
+
+@pytest.mark.timeout(180)
+def test_streams_survive_ext_proc_being_killed_and_a_restart_relearns_the_load(tmp_path: Path) -> None:
+    with running_stack(tmp_path, backends=2, sim_args=("--step-base-ms", "20", "--speed", "1")) as stack:
+        extproc = next(c for c in stack.sup.children if c.name == "extproc")
+        events = [threading.Event() for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_stream, stack, e, 300) for e in events]
+            assert all(e.wait(20) for e in events), "every stream has started"
+            extproc.proc.kill()  # SIGKILL: no drain, every ext_proc stream cut
+            extproc.proc.wait()
+            # Not admitted yet: nothing can check it, so a JSON 503, never a backend.
+            before = sum(len(sim.requests()) for sim in stack.sims)
+            with pytest.raises(openai.InternalServerError) as refused:
+                stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=2)
+            assert refused.value.status_code == 503
+            assert refused.value.body["code"] == "gateway_unavailable"  # type: ignore[index]
+            assert sum(len(sim.requests()) for sim in stack.sims) == before
+            # A new ext_proc learns the backends' load from their own metrics, not from its in-flight count.
+            port = stack.extproc_metrics_ports[0]
+            stack.sup.start("extproc-restarted", [str(a) for a in extproc.proc.args])
+            wait_until(lambda: _ready_port(port), 30, what="restarted ext_proc")
+            wait_until(lambda: len(_scores(stack, port)) == 2, 10, what="scores for both endpoints")
+            busy = max(_scores(stack, port).values())
+            results = [f.result(timeout=60) for f in futures]
+        # Every stream ran to its end, although ext_proc died under it.
+        assert all(finish == "length" and chunks > 250 for chunks, finish in results), results
+        assert stack.in_flight() == 0  # the new ext_proc never counted them
+        wait_until(lambda: max(_scores(stack, port).values()) < busy, 10, what="scores to fall with the load")
+        r = stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=2)
+        assert r.choices[0].finish_reason == "length"
+
+
+def _ready_port(port: int) -> bool:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()  # noqa: S310
+    except OSError:
+        return False
+    return "modeldock_picker_in_flight{" in text
