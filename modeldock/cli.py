@@ -33,7 +33,7 @@ def cmd_xds(args: argparse.Namespace) -> int:
     from modeldock.xds.app import XdsOptions, serve
 
     config = _load(args.config)
-    options = XdsOptions(Path(args.config), args.host, args.port, args.kubeconfig)
+    options = XdsOptions(Path(args.config), args.host, args.port, args.kubeconfig, metrics_host=args.metrics_host)
     asyncio.run(serve(config, options, args.metrics_port))
     return 0
 
@@ -43,7 +43,7 @@ def cmd_extproc(args: argparse.Namespace) -> int:
 
     config = _load(args.config)
     options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config),
-                             drain_delay=args.drain_delay)
+                             drain_delay=args.drain_delay, metrics_host=args.metrics_host)
     asyncio.run(serve(config, options, args.metrics_port, args.grace))
     return 0
 
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     xds.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     xds.add_argument("--port", type=int, default=18000, help="ADS port (default 18000)")
     xds.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    xds.add_argument("--metrics-host", help="metrics listen address (default: --host)")
     xds.add_argument("--kubeconfig", help="kubeconfig for Kubernetes discovery (default: in-cluster, then ~/.kube/config)")
     xds.set_defaults(func=cmd_xds)
 
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     ext.add_argument("--port", type=int, default=18001, help="gRPC port (default 18001)")
     ext.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ext.add_argument("--metrics-host", help="metrics listen address (default: --host)")
     ext.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM (default 30)")
     ext.add_argument("--drain-delay", type=float, default=0.0,
                      help="on SIGTERM, report NOT_SERVING to gRPC health checks and keep taking new streams this "
