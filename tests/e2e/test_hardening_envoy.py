@@ -6,6 +6,7 @@ raw sockets where a client must misbehave. See docs/envoy.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
 import threading
@@ -63,8 +64,6 @@ async def trickle(port: int, head: bytes, drip: bytes, every: float, limit: floa
 
 def status_and_error(raw: bytes) -> tuple[int, str]:
     head, _, body = raw.partition(b"\r\n\r\n")
-    import json
-
     return int(head.split(b" ", 2)[1]), json.loads(body)["error"]["code"]
 
 
@@ -197,14 +196,9 @@ async def test_a_refused_connection_is_retried_on_the_fallback(rig: Rig) -> None
 
 
 async def test_no_retry_once_the_response_has_started_and_the_log_says_it_was_cut(rig: Rig) -> None:
-    r_raw = None
-    try:
-        r_raw = await attempts(rig, "cut")
-    except (ValueError, IndexError):
-        pass  # the reply may be too broken to parse; what matters is below
-    if r_raw is not None:
-        assert r_raw[0].status_code == 200 and r_raw[1] == rig.ports[:1]
-    assert len(rig.upstream.received) == 1
+    r, reached = await attempts(rig, "cut")
+    # The client has its 200 and the first chunk, then the connection closes; no second attempt.
+    assert (r.status_code, r.text, reached) == (200, "ok", rig.ports[:1])
     (line,) = await rig.access_log()
     flags = line.partition("flags=")[2].split()[0]
     details = line.partition("details=")[2].split()[0]
