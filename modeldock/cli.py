@@ -33,7 +33,7 @@ def cmd_xds(args: argparse.Namespace) -> int:
     from modeldock.xds.app import XdsOptions, serve
 
     config = _load(args.config)
-    options = XdsOptions(Path(args.config), args.host, args.port, args.kubeconfig)
+    options = XdsOptions(Path(args.config), args.host, args.port, args.kubeconfig, metrics_host=args.metrics_host)
     asyncio.run(serve(config, options, args.metrics_port))
     return 0
 
@@ -43,7 +43,7 @@ def cmd_extproc(args: argparse.Namespace) -> int:
 
     config = _load(args.config)
     options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config),
-                             drain_delay=args.drain_delay)
+                             drain_delay=args.drain_delay, metrics_host=args.metrics_host)
     asyncio.run(serve(config, options, args.metrics_port, args.grace))
     return 0
 
@@ -73,8 +73,15 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from modeldock.config import ListenerConfig
     from modeldock.envoy import BootstrapOptions, render_bootstrap
 
+    # The config's `listener:` and `limits.max_body_bytes`, when a config is given.
+    listener, max_body = ListenerConfig(), args.max_body_bytes
+    if args.config:
+        config = _load(args.config)
+        listener = config.listener
+        max_body = args.max_body_bytes if args.max_body_bytes is not None else config.limits.max_body_bytes
     host_x, _, port_x = args.xds.rpartition(":")
     extprocs = tuple(e.strip() for e in args.extproc.split(",") if e.strip())
     host_e, _, port_e = extprocs[0].rpartition(":")
@@ -82,7 +89,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         listen_port=args.port, admin_port=args.admin_port, xds_port=int(port_x), extproc_port=int(port_e),
         listen_host=args.listen_host, xds_host=host_x, extproc_host=host_e.strip("[]"), node_id=args.node_id,
         extproc_endpoints=extprocs if len(extprocs) > 1 else (),
-        buffer_limit=args.max_body_bytes,
+        buffer_limit=max_body or 4 * 1024 * 1024, listener=listener,
     )), end="")
     return 0
 
@@ -110,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     xds.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     xds.add_argument("--port", type=int, default=18000, help="ADS port (default 18000)")
     xds.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    xds.add_argument("--metrics-host", help="metrics listen address (default: --host)")
     xds.add_argument("--kubeconfig", help="kubeconfig for Kubernetes discovery (default: in-cluster, then ~/.kube/config)")
     xds.set_defaults(func=cmd_xds)
 
@@ -120,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     ext.add_argument("--port", type=int, default=18001, help="gRPC port (default 18001)")
     ext.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ext.add_argument("--metrics-host", help="metrics listen address (default: --host)")
     ext.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM (default 30)")
     ext.add_argument("--drain-delay", type=float, default=0.0,
                      help="on SIGTERM, report NOT_SERVING to gRPC health checks and keep taking new streams this "
@@ -133,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--xds", default="127.0.0.1:18000", help="xDS server host:port")
     env.add_argument("--extproc", default="127.0.0.1:18001",
                      help="ext_proc host:port, or a comma-separated list of replicas")
-    env.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                     help="the config's limits.max_body_bytes; Envoy refuses larger bodies with a JSON 413")
+    env.add_argument("--config", help="take `listener:` (timeouts, HTTP/2 streams, heap limit, ext_proc "
+                     "message timeout) and limits.max_body_bytes from this config file")
+    env.add_argument("--max-body-bytes", type=int,
+                     help="Envoy refuses larger bodies with a JSON 413 (default: the config's "
+                          "limits.max_body_bytes, else 4194304)")
     env.add_argument("--node-id", default="modeldock-envoy", help="Envoy node id")
     env.set_defaults(func=cmd_envoy_config)
 

@@ -161,12 +161,30 @@ class DiscoveryConfig(_Strict):
     stale_after_seconds: Annotated[float, Field(gt=0)] = 15.0
 
 
+class ListenerConfig(_Strict):
+    """Envoy's front door, rendered into its bootstrap by `modeldock up` and `modeldock envoy-config --config`.
+
+    Slow or idle clients are cut on these clocks; none of them bounds a response, so long
+    generations run on (`stream_idle_timeout_seconds` only cuts a stream silent that long).
+    """
+
+    request_headers_timeout_seconds: Annotated[float, Field(gt=0)] = 10.0  # all request headers in
+    request_timeout_seconds: Annotated[float, Field(gt=0)] = 60.0  # the whole request (headers and body) in
+    idle_timeout_seconds: Annotated[float, Field(gt=0)] = 60.0  # a connection with no open request
+    stream_idle_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0  # no byte either way on a stream
+    max_concurrent_streams: Annotated[int, Field(ge=1, le=2**31 - 1)] = 100  # per HTTP/2 connection
+    max_connections: Annotated[int, Field(ge=1)] = 50_000
+    max_heap_bytes: Annotated[int, Field(ge=1024 * 1024)] = 768 * 1024 * 1024  # Envoy's overload manager
+    ext_proc_message_timeout_seconds: Annotated[float, Field(gt=0)] = 2.0  # each ext_proc answer
+
+
 class Config(_Strict):
     tenants: list[TenantConfig] = []
     models: Annotated[list[ModelConfig], Field(min_length=1)]
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    listener: ListenerConfig = ListenerConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> Config:

@@ -12,6 +12,7 @@ from string import Template
 import yaml
 
 from modeldock.admission.headers import LIMIT, REMAINING, RESET
+from modeldock.config import ListenerConfig
 from modeldock.extproc.responses import local_reply_config
 from modeldock.xds.resources import ROUTE_NAMESPACE
 
@@ -37,9 +38,9 @@ class BootstrapOptions:
     extproc_host: str = "127.0.0.1"
     node_id: str = "modeldock-envoy"
     buffer_limit: int = 4 * 1024 * 1024  # limits.max_body_bytes: Envoy refuses a larger body (JSON 413)
-    message_timeout: str = "2s"
     num_retries: int = 2
-    max_connections: int = 50_000
+    # Timeouts and limits for clients, Envoy's memory bound, ext_proc's message_timeout (the config's `listener:`).
+    listener: ListenerConfig = ListenerConfig()
     # Several ext_proc replicas ("host:port" or "[v6]:port"), balanced per stream by Envoy.
     # Empty: the one at extproc_host:extproc_port.
     extproc_endpoints: tuple[str, ...] = ()
@@ -102,10 +103,29 @@ def _block(value: object, indent: int) -> str:
     return "\n" + "\n".join(pad + line for line in text.splitlines())
 
 
+def duration(seconds: float) -> str:
+    """A protobuf Duration in its JSON form: 10s, 0.5s."""
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _listener_values(listener: ListenerConfig) -> dict[str, str]:
+    return {
+        "request_headers_timeout": duration(listener.request_headers_timeout_seconds),
+        "request_timeout": duration(listener.request_timeout_seconds),
+        "idle_timeout": duration(listener.idle_timeout_seconds),
+        "stream_idle_timeout": duration(listener.stream_idle_timeout_seconds),
+        "max_concurrent_streams": str(listener.max_concurrent_streams),
+        "max_connections": str(listener.max_connections),
+        "max_heap_bytes": str(listener.max_heap_bytes),
+        "message_timeout": duration(listener.ext_proc_message_timeout_seconds),
+    }
+
+
 def render_bootstrap(options: BootstrapOptions) -> str:
     extproc = [_host_port(e) for e in options.extproc_endpoints] or [(options.extproc_host, options.extproc_port)]
     text = Template(template_path().read_text()).substitute(
-        {k: str(v) for k, v in options.__dict__.items()},
+        {k: str(v) for k, v in options.__dict__.items() if k != "listener"},
+        **_listener_values(options.listener),
         # JSON is YAML flow syntax, and quoting keeps IPv6 colons out of the YAML parser's way.
         extproc_lb_endpoints=json.dumps(_lb_endpoints(extproc)),
         local_reply_config=_block(local_reply_config(options.buffer_limit), 10),

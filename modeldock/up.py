@@ -169,7 +169,7 @@ def run_up(args: argparse.Namespace) -> int:
         bootstrap = run_dir / "envoy.yaml"
         bootstrap.write_text(render_bootstrap(BootstrapOptions(
             listen_port=args.port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_port,
-            buffer_limit=config.limits.max_body_bytes,
+            buffer_limit=config.limits.max_body_bytes, listener=config.listener,
         )))
         sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id",
                             "--log-level", "warn", "--drain-time-s", "2"])

@@ -43,6 +43,7 @@ class ExtProcOptions:
     # On SIGTERM, report NOT_SERVING and keep serving new streams this long before
     # draining, so Envoy's health checks move new requests to other replicas first.
     drain_delay: float = 0.0
+    metrics_host: str | None = None  # default: `host`
 
 
 class ExtProcMetrics:
@@ -239,5 +240,5 @@ async def serve(config: Config, options: ExtProcOptions, metrics_port: int | Non
         log.info("ext_proc draining (up to %.0fs)", grace)
         await server.stop(grace)
 
-    await run_until_signalled(server.start, stop, registry=server.registry, host=options.host,
+    await run_until_signalled(server.start, stop, registry=server.registry, host=options.metrics_host or options.host,
                               metrics_port=metrics_port)

@@ -100,33 +100,52 @@ def _mapper(expression: str, rejection: Rejection) -> dict[str, object]:
 
 
 def local_reply_config(max_body_bytes: int) -> dict[str, object]:
-    """HttpConnectionManager.local_reply_config: Envoy's own error replies as OpenAI JSON errors."""
+    """HttpConnectionManager.local_reply_config: Envoy's own error replies as OpenAI JSON errors.
+
+    Messages are plain: Envoy's details (`%RESPONSE_CODE_DETAILS%`, the upstream failure reason)
+    go to the access log, never to the client.
+    """
     retry = {"Retry-After": "1"}
     return {"mappers": [
         _mapper("response.code_details == 'request_payload_too_large'",
                 PayloadTooLarge(f"Request body is over the limit of {max_body_bytes} bytes.")),
+        # ext_proc answers every request it sees (admitted, or its own reply), so one that reached
+        # the catch-all route although it had a body, or the model list's route, went past
+        # ext_proc failing or gone (failure_mode_allow): nothing was checked, nothing sent upstream.
+        _mapper(f"{_FALLBACK_ROUTE} && (request.size > 0 || request.url_path == '/v1/models')",
+                _gateway_unavailable(retry)),
         # A request without a body never reaches ext_proc; the catch-all route answers it.
         _mapper(f"{_FALLBACK_ROUTE} && {_COMPLETION} && request.method == 'POST'",
                 BadRequest("Request body is empty; send a JSON object with a `model`.", code="invalid_body")),
         _mapper(f"{_FALLBACK_ROUTE} && {_COMPLETION}",
                 BadRequest("Use POST for %REQ(:PATH)%.", code="method_not_allowed")),
         _mapper(_FALLBACK_ROUTE, NotFound("Unknown path %REQ(:PATH)%.", code="unknown_url")),
-        # ext_proc could not be reached or failed: nothing was checked, nothing was sent upstream.
-        _mapper("response.code_details.startsWith('ext_proc')", Unavailable(
-            "The gateway cannot check requests right now (%RESPONSE_CODE_DETAILS%). Retry shortly.",
-            code="gateway_unavailable", headers=retry)),
+        # ext_proc failing without failure_mode_allow (kept should the bootstrap ever fail closed).
+        _mapper("response.code_details.startsWith('ext_proc')", _gateway_unavailable(retry)),
         # Admitted (ext_proc set the route metadata), then every endpoint failed before answering.
         _mapper(f"{_ADMITTED} && {_NOT_OURS}", Unavailable(
-            f"No endpoint of model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` could take the request "
-            "(%RESPONSE_CODE_DETAILS%). Retry shortly.", code="upstream_unavailable", headers=retry)),
+            f"No endpoint of model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` could take the request. "
+            "Retry shortly.", code="upstream_unavailable", headers=retry)),
+        # The overload manager near listener.max_heap_bytes.
+        _mapper("response.code_details == 'overload'", Unavailable(
+            "The gateway is overloaded. Retry shortly.", code="gateway_overloaded", headers=retry)),
+        # Headers or body too slow (listener.request_headers_timeout_seconds, request_timeout_seconds).
+        _other(f"{_NOT_OURS} && response.code == 408", "invalid_request_error",
+               "The request did not arrive in time.", "request_timeout"),
         # Anything else Envoy refuses by itself (a malformed request, a timeout): keep its status.
         _other(f"{_NOT_OURS} && response.code >= 500", "server_error"),
         _other(_NOT_OURS, "invalid_request_error"),
     ]}
 
 
-def _other(expression: str, error_type: str) -> dict[str, object]:
-    rejection = Rejection("%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", code="gateway_error")
+def _gateway_unavailable(headers: Mapping[str, str]) -> Rejection:
+    return Unavailable("The gateway cannot check requests right now. Retry shortly.",
+                       code="gateway_unavailable", headers=headers)
+
+
+def _other(expression: str, error_type: str, message: str = "The gateway could not handle the request.",
+           code: str = "gateway_error") -> dict[str, object]:
+    rejection = Rejection(message, code=code)
     rejection.type = error_type
     mapper = _mapper(expression, rejection)
     del mapper["status_code"]  # Envoy's own status stands

@@ -56,6 +56,7 @@ class XdsOptions:
     port: int = 18000
     kubeconfig: str | None = None
     tick_seconds: float = 0.5
+    metrics_host: str | None = None  # default: `host`
 
 
 class XdsServer:
@@ -174,5 +175,5 @@ async def serve(config: Config, options: XdsOptions, metrics_port: int | None) -
         log.info("xDS server shutting down")
         await server.stop()
 
-    await run_until_signalled(server.start, stop, registry=server.registry, host=options.host,
+    await run_until_signalled(server.start, stop, registry=server.registry, host=options.metrics_host or options.host,
                               metrics_port=metrics_port)

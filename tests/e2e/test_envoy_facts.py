@@ -10,241 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from google.protobuf import json_format, message
+from google.protobuf import message
 
-from modeldock.config import ModelConfig
-from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.envoy import BootstrapOptions, render_bootstrap
 from modeldock.errors import Unauthorized
 from modeldock.extproc import responses
-from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.wire import parse_request
-from modeldock.up import free_port
-from modeldock.xds.resources import build_cluster, cluster_name
+from modeldock.xds.resources import cluster_name
+from tests.support.envoy_rig import ATTRS, BODY, Rig, envoy_rig, route
 
 pytestmark = pytest.mark.e2e
-ATTRS = "envoy.filters.http.ext_proc"
-BODY = b'{"model":"m","messages":[]}'
-
-
-@dataclass
-class Seen:
-    """One ext_proc stream as the scripted servicer saw it."""
-    kinds: list[str] = field(default_factory=list)
-    attributes: list[dict[str, Any]] = field(default_factory=list)
-    answered_at: list[float] = field(default_factory=list)
-    ended_at: float = 0.0
-    raw: list[bytes] = field(default_factory=list)
-    header_names: list[list[str]] = field(default_factory=list)
-
-
-# How the scripted servicer answers a body message: (request) -> response.
-Answer = Callable[[ep.ProcessingRequest], ep.ProcessingResponse]
-
-
-class ScriptedExtProc:
-    def __init__(self) -> None:
-        self.streams: list[Seen] = []
-        self.answer: Answer = responses.continue_other
-        self.body_delay = 0.0
-
-    async def process(self, requests: AsyncIterator[bytes], _ctx: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        seen = Seen()
-        self.streams.append(seen)
-        try:
-            async for raw in requests:
-                seen.raw.append(raw)
-                request = parse_request(raw)
-                kind = request.WhichOneof("request")
-                seen.kinds.append(kind)
-                if kind in ("request_headers", "response_headers"):
-                    seen.header_names.append([h.key for h in getattr(request, kind).headers.headers])
-                attrs = request.attributes.get(ATTRS)
-                seen.attributes.append(json_format.MessageToDict(attrs) if attrs is not None else {})
-                if kind == "request_body":
-                    await asyncio.sleep(self.body_delay)
-                    reply = self.answer(request)
-                else:
-                    reply = responses.continue_other(request)
-                seen.answered_at.append(time.monotonic())
-                yield reply.SerializeToString()
-        finally:
-            seen.ended_at = time.monotonic()
-
-
-@dataclass
-class Received:
-    at: float
-    port: int
-    headers: dict[str, str]
-    body: bytes
-
-
-class Upstream:
-    """HTTP/1.1 backends that record each request and stream a short reply."""
-
-    def __init__(self) -> None:
-        self.received: list[Received] = []
-        self.finished_at: list[float] = []
-        self.servers: list[asyncio.Server] = []
-
-    async def start(self, count: int) -> list[int]:
-        ports = []
-        for _ in range(count):
-            server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-            self.servers.append(server)
-            ports.append(server.sockets[0].getsockname()[1])
-        return ports
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        port = writer.get_extra_info("sockname")[1]
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                self.received.append(Received(time.monotonic(), port, headers, body))
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
-                await writer.drain()
-                await asyncio.sleep(0.2)  # a stream that outlives every ext_proc message
-                writer.write(b"3\r\nend\r\n0\r\n\r\n")
-                await writer.drain()
-                self.finished_at.append(time.monotonic())
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.close()
-
-
-def bootstrap(listen: int, admin: int, extproc: int, upstreams: list[int]) -> dict[str, Any]:
-    """The real bootstrap, with the model cluster static instead of from ADS."""
-    text = render_bootstrap(BootstrapOptions(listen_port=listen, admin_port=admin, xds_port=free_port(),
-                                             extproc_port=extproc, buffer_limit=4096))
-    config = yaml.safe_load(text)
-    del config["dynamic_resources"]
-    cluster = json_format.MessageToDict(build_cluster(ModelConfig(name="m", endpoints=[])),
-                                        preserving_proto_field_name=True)
-    del cluster["eds_cluster_config"]
-    cluster["type"] = "STATIC"
-    cluster["load_assignment"] = {"cluster_name": cluster_name("m"), "endpoints": [{"lb_endpoints": [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in upstreams]}]}
-    config["static_resources"]["clusters"].append(cluster)
-    return config
-
-
-@dataclass
-class Reply:
-    status_code: int
-    text: str
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def error(self) -> dict[str, Any]:
-        """The OpenAI-style error body; fails unless the reply is one."""
-        assert self.headers.get("content-type") == "application/json", self.headers
-        body = json.loads(self.text)
-        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-        return body["error"]
-
-
-async def http(port: int, method: str, path: str, headers: list[tuple[str, bytes]], body: bytes | None) -> Reply:
-    """One HTTP/1.1 request with the header bytes exactly as given (repeats and non-UTF-8 included)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    lines = [f"{method} {path} HTTP/1.1".encode(), b"host: test", b"connection: close"]
-    lines += [k.encode() + b": " + v for k, v in headers]
-    if body is not None:
-        lines.append(b"content-length: " + str(len(body)).encode())
-    writer.write(b"\r\n".join(lines) + b"\r\n\r\n" + (body or b""))
-    try:
-        data = await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
-    head, _, rest = data.partition(b"\r\n\r\n")
-    fields = dict(line.split(": ", 1) for line in head.decode("latin-1").split("\r\n")[1:])
-    fields = {k.lower(): v for k, v in fields.items()}
-    if b"transfer-encoding: chunked" in head.lower():
-        text = b""
-        while rest:
-            size_line, _, rest = rest.partition(b"\r\n")
-            size = int(size_line, 16)
-            text, rest = text + rest[:size], rest[size + 2:]
-            if size == 0:
-                break
-        rest = text
-    return Reply(int(head.split(b" ", 2)[1]), rest.decode("latin-1"), fields)
-
-
-@dataclass
-class Rig:
-    extproc: ScriptedExtProc
-    upstream: Upstream
-    ports: list[int]
-    listen: int
-    retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (request id, endpoint)
-
-    async def post(self, body: bytes | None = BODY, headers: list[tuple[str, str | bytes]] | None = None,
-                   path: str = "/v1/chat/completions", method: str = "POST") -> Reply:
-        pairs = [(k, v if isinstance(v, bytes) else v.encode()) for k, v in (headers or [("authorization", "Bearer k")])]
-        return await http(self.listen, method, path, pairs, body)
-
-
-def route(endpoints: str, cluster: str = cluster_name("m")) -> Answer:
-    return lambda _r: responses.route_request_body(cluster, endpoints, model="m")
 
 
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
-    extproc = ScriptedExtProc()
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(extproc.process)  # raw bytes both ways
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "envoy.service.ext_proc.v3.ExternalProcessor", {"Process": handler}),))
-    retries: list[tuple[str, str]] = []
-    AttemptLogServicer(lambda request_id, address: retries.append((request_id, address))).add_to(server)
-    extproc_port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    upstream = Upstream()
-    proc: asyncio.subprocess.Process | None = None
-    log = (tmp_path / "envoy.log").open("wb")
-    try:
-        ports = await upstream.start(2)
-        listen, admin = free_port(), free_port()
-        path = tmp_path / "envoy.yaml"
-        path.write_text(json.dumps(bootstrap(listen, admin, extproc_port, ports)))  # JSON is YAML
-        proc = await asyncio.create_subprocess_exec(
-            envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning",
-            stdout=log, stderr=log)
-        for _ in range(200):
-            try:
-                if (await http(admin, "GET", "/ready", [], None)).status_code == 200:
-                    break
-            except (OSError, ValueError, IndexError):
-                pass
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail(f"Envoy did not start: {(tmp_path / 'envoy.log').read_text()[-2000:]}")
-        yield Rig(extproc, upstream, ports, listen, retries)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            await proc.wait()
-        log.close()
-        upstream.close()
-        await server.stop(None)
+    async with envoy_rig(tmp_path) as running:
+        yield running
 
 
 async def test_router_waits_for_the_body_answer(rig: Rig) -> None:
@@ -348,8 +136,13 @@ async def test_envoys_reply_after_every_endpoint_failed_is_a_json_503(rig: Rig) 
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     err = r.error()
     assert err["code"] == "upstream_unavailable" and err["type"] == "server_error"
-    assert "`m`" in err["message"] and "connection_failure" in err["message"]
+    # Envoy's details go to the access log, not to the client.
+    assert err["message"] == "No endpoint of model `m` could take the request. Retry shortly."
     assert rig.extproc.streams[0].kinds == ["request_body"]
+    (line,) = await rig.access_log()
+    assert "UF" in line.partition("flags=")[2].split()[0]
+    assert "details=upstream_reset_before_response_started{" in line
+    assert "connection_refused" in line.partition("failure=")[2].lower()
 
 
 async def test_ext_procs_own_replies_pass_unchanged(rig: Rig) -> None:
@@ -414,8 +207,9 @@ async def test_content_length_follows_a_rewritten_body(rig: Rig) -> None:
 async def test_models_route_sends_request_headers(rig: Rig) -> None:
     r = await rig.post(body=None, method="GET", path="/v1/models",
                        headers=[("authorization", "Bearer k"), ("x-other", "1"), ("x-request-id", "r-1")])
-    # The scripted servicer answers headers with "continue", so the route's own reply follows.
-    assert r.status_code == 404
+    # The scripted servicer answers headers with "continue", so the route's own reply follows: the
+    # real ext_proc answers the model list itself, so that reply means ext_proc was passed by.
+    assert (r.status_code, r.error()["code"]) == (503, "gateway_unavailable")
     (stream,) = rig.extproc.streams
     assert stream.kinds == ["request_headers"]
     # forward_rules: only the headers ext_proc reads are copied into the message.

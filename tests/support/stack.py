@@ -209,7 +209,7 @@ def running_stack(
         bootstrap.write_text(render_bootstrap(BootstrapOptions(
             listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
             extproc_endpoints=tuple(f"127.0.0.1:{p}" for p in extproc_ports) if len(extproc_ports) > 1 else (),
-            buffer_limit=parsed.limits.max_body_bytes)))
+            buffer_limit=parsed.limits.max_body_bytes, listener=parsed.listener)))
         sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id", "--log-level", "warn",
                             "--drain-time-s", "1"])
         stack = Stack(run_dir, sup, port, admin_port, metrics_ports[0], xm, config_path, sims,

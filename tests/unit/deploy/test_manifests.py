@@ -180,8 +180,21 @@ def test_modeldock_commands_use_real_cli_flags() -> None:
     assert 0 < extproc.grace < pod_spec()["terminationGracePeriodSeconds"]
     for name, args in (("xds", xds), ("extproc", extproc)):
         c = container(name)
-        container_port(c, args.port)
         container_port(c, args.metrics_port)
+
+
+def test_grpc_listens_on_loopback_and_only_metrics_on_the_pod_address() -> None:
+    for name in ("xds", "extproc"):
+        args, c = modeldock_args(name), container(name)
+        assert args.host == "127.0.0.1", f"{name} serves plaintext gRPC: loopback only"
+        assert args.metrics_host == "0.0.0.0" and args.metrics_port != args.port
+        assert args.port not in {p["containerPort"] for p in c.get("ports", [])}
+        # The kubelet's own gRPC probe dials the pod IP, which nothing listens on: probe from inside.
+        for kind in ("startupProbe", "readinessProbe"):
+            probe = c[kind]
+            assert "grpc" not in probe, f"{name} {kind}"
+            script = check_python(probe["exec"]["command"], f"{name} {kind}")
+            assert f"'127.0.0.1:{args.port}'" in script and "HealthStub" in script
 
 
 def test_both_services_read_the_config_secret() -> None:

@@ -1,0 +1,80 @@
+"""The config's `listener:` section as rendered into the Envoy bootstrap (behaviour: tests/e2e/test_hardening_envoy.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from modeldock.cli import main
+from modeldock.config import ConfigError, ListenerConfig, parse_config
+from modeldock.envoy import BootstrapOptions, duration, render_bootstrap
+
+
+def hcm(config: dict[str, Any]) -> dict[str, Any]:
+    typed: dict[str, Any] = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return typed
+
+
+def render(listener: ListenerConfig) -> dict[str, Any]:
+    rendered: dict[str, Any] = yaml.safe_load(render_bootstrap(BootstrapOptions(
+        listen_port=1, admin_port=2, xds_port=3, extproc_port=4, listener=listener)))
+    return rendered
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(10, "10s"), (0.5, "0.5s"), (1.25, "1.25s"), (300.0, "300s")])
+def test_duration(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
+
+
+def test_every_listener_field_reaches_the_bootstrap() -> None:
+    listener = ListenerConfig(request_headers_timeout_seconds=3, request_timeout_seconds=7.5, idle_timeout_seconds=9,
+                              stream_idle_timeout_seconds=11, max_concurrent_streams=13, max_connections=17,
+                              max_heap_bytes=19 * 1024 * 1024, ext_proc_message_timeout_seconds=23)
+    config = render(listener)
+    manager = hcm(config)
+    assert (manager["request_headers_timeout"], manager["request_timeout"], manager["stream_idle_timeout"]) == (
+        "3s", "7.5s", "11s")
+    assert manager["common_http_protocol_options"]["idle_timeout"] == "9s"
+    assert manager["http2_protocol_options"]["max_concurrent_streams"] == 13
+    ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["message_timeout"] == "23s"
+    monitors = {m["name"]: m["typed_config"] for m in config["overload_manager"]["resource_monitors"]}
+    assert monitors["envoy.resource_monitors.fixed_heap"]["max_heap_size_bytes"] == 19 * 1024 * 1024
+    assert monitors["envoy.resource_monitors.global_downstream_max_connections"][
+        "max_active_downstream_connections"] == 17
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][1]["route"]
+    assert route["timeout"] == "0s" and route["idle_timeout"] == "11s"
+
+
+def test_defaults_are_production_values() -> None:
+    manager = hcm(render(ListenerConfig()))
+    assert manager["request_timeout"] == "60s" and manager["request_headers_timeout"] == "10s"
+    ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["message_timeout"] == "2s"
+    assert ext_proc["typed_config"]["failure_mode_allow"] is True
+
+
+def test_listener_values_are_validated() -> None:
+    with pytest.raises(ConfigError, match="listener.request_timeout_seconds"):
+        parse_config({"models": [{"name": "m", "endpoints": ["127.0.0.1:1"]}],
+                      "listener": {"request_timeout_seconds": 0}})
+    with pytest.raises(ConfigError, match="listener.max_heap_bytes"):
+        parse_config({"models": [{"name": "m", "endpoints": ["127.0.0.1:1"]}], "listener": {"max_heap_bytes": 10}})
+
+
+def test_envoy_config_takes_the_listener_and_body_limit_from_config(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": ["127.0.0.1:1"]}],
+                                    "limits": {"max_body_bytes": 2048},
+                                    "listener": {"request_timeout_seconds": 5}}))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["envoy-config", "--config", str(path)]) == 0
+    config = yaml.safe_load(out.getvalue())
+    assert hcm(config)["request_timeout"] == "5s"
+    assert config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == 2048
