@@ -45,6 +45,12 @@ def rejection_response(rejection: Rejection) -> ep.ProcessingResponse:
     return json_response(rejection.status, rejection.body(), rejection.headers)
 
 
+def models_response(names: list[str]) -> ep.ProcessingResponse:
+    """`GET /v1/models`, answered by ext_proc itself."""
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "modeldock"} for name in names]
+    return json_response(200, {"object": "list", "data": data})
+
+
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
                        response_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from modeldock.errors import BadRequest, Rejection, Unauthorized
-from modeldock.extproc.request import RequestHead, bearer_key, head_from_attributes, parse_body, read_head
+from modeldock.gateway.request import RequestHead, bearer_key, head_from_attributes, parse_body, read_head
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
