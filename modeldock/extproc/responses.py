@@ -118,21 +118,24 @@ def local_reply_config(max_body_bytes: int) -> dict[str, object]:
                 BadRequest("Use POST for %REQ(:PATH)%.", code="method_not_allowed")),
         _mapper(_FALLBACK_ROUTE, NotFound("Unknown path %REQ(:PATH)%.", code="unknown_url")),
         # ext_proc could not be reached or failed: nothing was checked, nothing was sent upstream.
+        # Messages name no Envoy internals (response-code details carry gRPC error text): the
+        # access log has the details beside the request id.
         _mapper("response.code_details.startsWith('ext_proc')", Unavailable(
-            "The gateway cannot check requests right now (%RESPONSE_CODE_DETAILS%). Retry shortly.",
+            "The gateway cannot check requests right now. Retry shortly.",
             code="gateway_unavailable", headers=retry)),
         # Admitted (ext_proc set the route metadata), then every endpoint failed before answering.
         _mapper(f"{_ADMITTED} && {_NOT_OURS}", Unavailable(
-            f"No endpoint of model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` could take the request "
-            "(%RESPONSE_CODE_DETAILS%). Retry shortly.", code="upstream_unavailable", headers=retry)),
+            f"No endpoint of model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` could take the request. "
+            "Retry shortly.", code="upstream_unavailable", headers=retry)),
         # Anything else Envoy refuses by itself (a malformed request, a timeout): keep its status.
-        _other(f"{_NOT_OURS} && response.code >= 500", "server_error"),
-        _other(_NOT_OURS, "invalid_request_error"),
+        _other(f"{_NOT_OURS} && response.code >= 500", "server_error",
+               "The gateway could not complete the request. Retry shortly."),
+        _other(_NOT_OURS, "invalid_request_error", "The gateway refused the request as malformed."),
     ]}
 
 
-def _other(expression: str, error_type: str) -> dict[str, object]:
-    rejection = Rejection("%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", code="gateway_error")
+def _other(expression: str, error_type: str, message: str) -> dict[str, object]:
+    rejection = Rejection(message, code="gateway_error")
     rejection.type = error_type
     mapper = _mapper(expression, rejection)
     del mapper["status_code"]  # Envoy's own status stands

@@ -10,7 +10,7 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
   2. authenticate    one Bearer key -> tenant (401)
   3. length          body size against `limits.max_body_bytes` (413)
   4. parse           JSON object with a valid `model` (400)
-  5. resolve model   known and allowed for the tenant (404 / 403); alias rewrite
+  5. resolve model   known and allowed for the tenant (one 404 for both); alias rewrite
   6. dispatchable    snapshot fresh and endpoints present (503), before admission so a
                      request that cannot be served keeps the tenant's rate-limit quota
   7. prompt blocks   the prompt's block hashes, for prefix affinity
@@ -40,7 +40,7 @@ from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission, Ticket
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
-from modeldock.errors import BadRequest, Forbidden, NotFound, Rejection, Unavailable
+from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
 from modeldock.gateway.request import RequestHead, bearer_key, check_length, parse_body
 from modeldock.picking import Lease, Picker
 from modeldock.picking.prefix import prompt_blocks
@@ -51,6 +51,8 @@ log = logging.getLogger("modeldock.extproc")
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MODELS_PATH = "/v1/models"
+# OpenAI's wording, for an unknown model and for one the key may not use alike.
+_NO_SUCH_MODEL = "The model `{}` does not exist or you do not have access to it."
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +170,13 @@ class Gateway:
     # -- the steps -------------------------------------------------------
 
     def resolve_model(self, tenant: TenantConfig, name: str) -> ModelConfig:
+        """The model's config. Unknown and not allowed get the same answer, so that a key cannot
+        learn which models exist; the log keeps the real reason."""
         model = self._models.get(name)
         if model is None:
-            raise NotFound(f"The model `{name}` does not exist.")
+            raise NotFound(_NO_SUCH_MODEL.format(name), detail="unknown model")
         if not tenant.allows(name):
-            raise Forbidden(f"Your API key may not use the model `{name}`.")
+            raise NotFound(_NO_SUCH_MODEL.format(name), detail=f"not in tenant {tenant.id}'s allowlist")
         return model
 
     def visible_models(self, tenant: TenantConfig) -> list[str]:
@@ -192,6 +196,7 @@ class Gateway:
     def _log_rejection(head: RequestHead, rejection: Rejection, tenant: TenantConfig | None,
                        model: str | None) -> None:
         log.info(
-            "rejected request %s: %d %s (tenant=%s model=%s)", head.request_id or "-", rejection.status,
+            "rejected request %s: %d %s (tenant=%s model=%s)%s", head.request_id or "-", rejection.status,
             rejection.code, tenant.id if tenant else "-", model or "-",
+            f": {rejection.detail}" if rejection.detail else "",
         )

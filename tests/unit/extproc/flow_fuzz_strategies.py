@@ -189,7 +189,7 @@ MODEL_FAULTS: dict[str, tuple[Any, dict[str, Expected]]] = {
     "list": (["llama-8b"], {t: rejected(400, "invalid_model") for t in TENANTS}),
     "null": (None, {t: rejected(400, "missing_model") for t in TENANTS}),
     # acme may not use it; free may, but no endpoint was ever announced for it.
-    "mistral": ("mistral", {"acme": rejected(403, "model_not_allowed"),
+    "mistral": ("mistral", {"acme": rejected(404, "model_not_found"),
                             "free": rejected(503, "no_ready_endpoints")}),
 }
 

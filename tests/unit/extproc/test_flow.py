@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -137,8 +138,10 @@ OK = {"model": "llama-8b"}
         (post({"messages": []}), 400, "missing_model"),
         (post({"model": 7}), 400, "invalid_model"),
         (post({"model": "llama\r\n-8b"}), 400, "invalid_model"),
-        (post({"model": "mistral"}), 403, "model_not_allowed"),
+        # Outside the allowlist reads like unknown: a key cannot learn which models exist.
+        (post({"model": "mistral"}), 404, "model_not_found"),
         (post({"model": "nope"}), 404, "model_not_found"),
+        (post(b'{"model": "mistral", "model": "llama-8b"}'), 400, "duplicate_key"),
         (post({"model": "llama-8b", "pad": "x" * 3000}), 413, "request_too_large"),
     ],
 )
@@ -250,3 +253,16 @@ async def test_a_request_that_cannot_be_served_keeps_its_rate_limit_quota() -> N
     assert route_of(await flow.handle(post({"model": "llama-8b"})))[0] == "model:llama-8b"
     flow.finish()
     assert error_of(await RequestFlow(gw).handle(post({"model": "llama-8b"})))["code"] == "rate_limit_exceeded"
+
+
+async def test_unknown_and_forbidden_models_get_one_answer_and_the_log_keeps_why(
+        gateway: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "modeldock.extproc")
+    unknown = await RequestFlow(gateway).handle(post({"model": "nope"}))
+    forbidden = await RequestFlow(gateway).handle(post({"model": "mistral"}))
+    assert status_of(unknown) == status_of(forbidden) == 404
+    assert error_of(unknown)["message"] == "The model `nope` does not exist or you do not have access to it."
+    assert error_of(forbidden) == {**error_of(unknown), "message": error_of(unknown)["message"].replace("nope", "mistral")}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("r1" in line and "unknown model" in line for line in lines), lines
+    assert any("r1" in line and "allowlist" in line and "acme" in line for line in lines), lines
