@@ -29,25 +29,22 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # 
 from benchmarks._extproc import envoy_messages, response_headers_message  # noqa: E402
 from benchmarks._proc import cpu_seconds  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.admission.limits import Admission  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
 from modeldock.config import hash_key, parse_config  # noqa: E402
-from modeldock.types import Endpoint  # noqa: E402
 from modeldock.extproc.app import build_picker  # noqa: E402
 from modeldock.extproc.flow import RequestFlow  # noqa: E402
-from modeldock.extproc.gateway import Gateway  # noqa: E402
+from modeldock.gateway import Gateway  # noqa: E402
 from modeldock.extproc.wire import add_servicer  # noqa: E402
+from tests.support.extproc_messages import make_gateway  # noqa: E402
 
 CONFIG = {"tenants": [{"id": "t", "api_key_hashes": [hash_key("bench-key")], "models": ["m"]}],
           "models": [{"name": "m", "endpoints": ["127.0.0.1:1", "127.0.0.1:2"]}]}
 
 
 def gateway() -> Gateway:
-    config = parse_config(CONFIG)
-    clock = SystemClock()
-    gw = Gateway(config, clock, build_picker(config.routing, clock, None), Admission(config, clock))
-    gw.on_endpoints("m", (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2)))
-    return gw
+    routing = parse_config(CONFIG).routing
+    return make_gateway(CONFIG, {"m": ["127.0.0.1:1", "127.0.0.1:2"]}, clock=SystemClock(),
+                        picker=lambda clock: build_picker(routing, clock, None))
 
 
 def messages(kind: str) -> list[ep.ProcessingRequest]:

@@ -1,7 +1,8 @@
 """One hierarchy for every rejection the gateway makes.
 
 Each rejection carries the HTTP status, the OpenAI error `type` and `code`, a
-message that is safe to show the client, and optional extra response headers.
+message that is safe to show the client, optional extra response headers, and
+an optional `detail` for the log alone (never sent to the client).
 `modeldock.extproc.responses.rejection_response` is the one place that turns a
 rejection into an Envoy ImmediateResponse.
 """
@@ -22,9 +23,11 @@ class Rejection(Exception):
         *,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        detail: str = "",
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.detail = detail  # for the log only: the real reason when the message hides it
         if code is not None:
             self.code = code
         self.headers: dict[str, str] = dict(headers or {})

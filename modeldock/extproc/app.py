@@ -18,7 +18,7 @@ from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ConfigError, load_config
 from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.flow import RequestFlow
-from modeldock.extproc.gateway import Gateway
+from modeldock.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.health import Health

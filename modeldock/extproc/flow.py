@@ -1,44 +1,37 @@
-"""The ext_proc stream state machine: one RequestFlow per HTTP request.
+"""The ext_proc adapter: one RequestFlow per ext_proc stream (one HTTP request).
+
+It translates Envoy's messages into the director's calls (`Gateway.route`,
+`Gateway.models`, modeldock/gateway/) and their answers back into protobuf, and
+holds only protocol state: the phase, the `Routed` result, and the outcome and
+status for metrics.
 
 Envoy sends one message per completion request (docs/envoy.md): the buffered
 request body, with the request's method, path, id and Authorization header as
-attributes (authenticate, parse, allowlist, pick). `GET /v1/models` is the one
-route whose request headers are sent instead. A request without a body never
-reaches ext_proc (Envoy answers it with a JSON error itself). When Envoy retries
-onto a fallback, its access log reports the new endpoint (`retried_on`). The flow
-owns the request's lease and releases it exactly once, when the ext_proc stream
-ends, which Envoy makes coincide with the end of the HTTP stream.
+attributes. `GET /v1/models` is the one route whose request headers are sent
+instead. A request without a body never reaches ext_proc (Envoy answers it with a
+JSON error itself). When Envoy retries onto a fallback, its access log reports the
+new endpoint (`retried_on`). The flow releases what the routed request holds
+exactly once, when the ext_proc stream ends, which Envoy makes coincide with the
+end of the HTTP stream.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from enum import Enum
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from modeldock.config import TenantConfig
-from modeldock.errors import BadRequest, NotFound, Rejection
-from modeldock.extproc import responses
-from modeldock.extproc.gateway import Gateway
-from modeldock.extproc.request import (
-    RequestHead,
-    bearer_key,
-    check_length,
-    head_from_attributes,
-    parse_body,
-    read_head,
-)
 from modeldock.admission.limits import Ticket
+from modeldock.config import TenantConfig
+from modeldock.errors import BadRequest, Rejection
+from modeldock.extproc import responses
+from modeldock.gateway import MODELS_PATH, Gateway, Routed, check_route
+from modeldock.gateway.request import RequestHead, head_from_attributes, read_head
 from modeldock.picking import Lease
-from modeldock.picking.prefix import prompt_blocks
-from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
 
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-MODELS_PATH = "/v1/models"
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 
 
@@ -64,11 +57,9 @@ def _attributes(request: ep.ProcessingRequest) -> dict[str, str]:
     return {k: v.string_value for k, v in attrs.fields.items()}
 
 
-def _check_route(head: RequestHead) -> None:
-    if head.path not in COMPLETION_PATHS:
-        raise NotFound(f"Unknown path {head.path!r}.", code="unknown_url")
-    if head.method != "POST":
-        raise BadRequest(f"Use POST for {head.path}.", code="method_not_allowed")
+def _out_of_order() -> BadRequest:
+    # Nothing may reach an upstream before authentication and picking.
+    return BadRequest("Request arrived out of order.", code="invalid_request")
 
 
 class RequestFlow:
@@ -76,11 +67,7 @@ class RequestFlow:
         self._gateway = gateway
         self._phase = Phase.START
         self.head: RequestHead | None = None
-        self.tenant: TenantConfig | None = None
-        self.model: str | None = None
-        self.lease: Lease | None = None
-        self.ticket: Ticket | None = None
-        self.primary = ""
+        self.routed: Routed | None = None
         self.served_by = ""  # set when Envoy reports a retry onto another endpoint
         self.outcome = "incomplete"
         self.status = 0
@@ -93,71 +80,73 @@ class RequestFlow:
             if kind == "request_headers" and self._phase is Phase.START:
                 return self._on_request_headers(request.request_headers)
             if self._phase is Phase.START:
-                # Nothing may reach an upstream before authentication and picking.
-                raise BadRequest("Request arrived out of order.", code="invalid_request")
+                raise self._logged(_out_of_order())
             return responses.continue_other(request)
         except Rejection as rejection:
             self._phase = Phase.DONE
             self.outcome, self.status = "rejected", rejection.status
-            log.info(
-                "rejected request %s: %d %s (tenant=%s model=%s)", self._request_id, rejection.status,
-                rejection.code, self.tenant.id if self.tenant else "-", self.model or "-",
-            )
             return responses.rejection_response(rejection)
 
     def _on_request_headers(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         """Only `/v1/models` sends its headers (a per-route override in Envoy)."""
         head = self.head = read_head(_headers(headers))
         if head.path != MODELS_PATH:
-            _check_route(head)
+            try:
+                check_route(head)
+            except Rejection as rejection:
+                raise self._logged(rejection) from None
             # A completion route must not send headers: its body carries the request.
-            raise BadRequest("Request arrived out of order.", code="invalid_request")
-        if head.method != "GET":
-            raise BadRequest(f"Use GET for {head.path}.", code="method_not_allowed")
-        tenant = self.tenant = self._gateway.authenticate(bearer_key(head.authorization))
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "modeldock"}
-            for name in self._gateway.visible_models(tenant)
-        ]
+            raise self._logged(_out_of_order())
+        names = self._gateway.models(head)
         self._phase = Phase.DONE
         self.outcome, self.status = "models", 200
-        return responses.json_response(200, {"object": "list", "data": data})
+        return responses.models_response(names)
 
     async def _on_request_body(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         head = self.head = head_from_attributes(_attributes(request))
-        _check_route(head)
-        tenant = self.tenant = self._gateway.authenticate(bearer_key(head.authorization))
-        raw = request.request_body.body
-        check_length(len(raw), self._gateway.max_body_bytes)
-        data = parse_body(raw)
-        model = self.model = str(data["model"])
-        config = self._gateway.resolve_model(tenant, model)
-        new_body: bytes | None = None
-        if config.upstream_name != model:
-            data["model"] = config.upstream_name
-            new_body = json.dumps(data, separators=(",", ":")).encode()
-        self._gateway.check_dispatchable(model)
-        prefix = prompt_blocks(data)
-        self.ticket = await self._gateway.admission.admit(tenant, model)
-        # No await from here on: pick and count happen in one step.
-        pick = self._gateway.pick(model, prefix)
-        self.lease = pick.lease
-        self.primary = pick.primary.address
+        routed = self.routed = await self._gateway.route(head, request.request_body.body)
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
-        return responses.route_request_body(cluster_name(model), pick.endpoint_list, new_body, model,
-                                            self.ticket.headers)
+        return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
+                                            routed.route_metadata)
+
+    def _logged(self, rejection: Rejection) -> Rejection:
+        """A refusal of the protocol's own (the director logs the rest)."""
+        log.info("rejected request %s: %d %s", self._request_id, rejection.status, rejection.code)
+        return rejection
 
     @property
     def _request_id(self) -> str:
         return self.head.request_id if self.head and self.head.request_id else "-"
 
+    # What the routed request holds (None until routed).
+    @property
+    def lease(self) -> Lease | None:
+        return self.routed.lease if self.routed is not None else None
+
+    @property
+    def ticket(self) -> Ticket | None:
+        return self.routed.ticket if self.routed is not None else None
+
+    @property
+    def tenant(self) -> TenantConfig | None:
+        return self.routed.tenant if self.routed is not None else None
+
+    @property
+    def model(self) -> str | None:
+        return self.routed.model if self.routed is not None else None
+
+    @property
+    def primary(self) -> str:
+        return self.routed.primary.address if self.routed is not None else ""
+
     def retried_on(self, address: str) -> bool:
         """Envoy retried the request on `address` ("ip:port") before the first byte: count it there.
         False when nothing moved (not routed, ended, not an endpoint, or where it is counted already)."""
-        if self.lease is None or self._phase is not Phase.ROUTED or not self.lease.move_to(address):
+        routed = self.routed
+        if routed is None or self._phase is not Phase.ROUTED or not routed.lease.move_to(address):
             return False
-        self.served_by = self.lease.endpoint.address
+        self.served_by = routed.lease.endpoint.address
         return True
 
     @property
@@ -168,7 +157,5 @@ class RequestFlow:
     def finish(self) -> None:
         """The HTTP stream ended (completed, failed or cancelled). Idempotent."""
         self._phase = Phase.DONE
-        if self.lease is not None:
-            self.lease.release()
-        if self.ticket is not None:
-            self.ticket.release()
+        if self.routed is not None:
+            self.routed.release()

@@ -45,6 +45,12 @@ def rejection_response(rejection: Rejection) -> ep.ProcessingResponse:
     return json_response(rejection.status, rejection.body(), rejection.headers)
 
 
+def models_response(names: list[str]) -> ep.ProcessingResponse:
+    """`GET /v1/models`, answered by ext_proc itself."""
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "modeldock"} for name in names]
+    return json_response(200, {"object": "list", "data": data})
+
+
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
                        response_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
@@ -133,8 +139,9 @@ def local_reply_config(max_body_bytes: int) -> dict[str, object]:
         _other(f"{_NOT_OURS} && response.code == 408", "invalid_request_error",
                "The request did not arrive in time.", "request_timeout"),
         # Anything else Envoy refuses by itself (a malformed request, a timeout): keep its status.
-        _other(f"{_NOT_OURS} && response.code >= 500", "server_error"),
-        _other(_NOT_OURS, "invalid_request_error"),
+        _other(f"{_NOT_OURS} && response.code >= 500", "server_error",
+               "The gateway could not complete the request. Retry shortly."),
+        _other(_NOT_OURS, "invalid_request_error", "The gateway refused the request as malformed."),
     ]}
 
 

@@ -11,7 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from modeldock.extproc.flow import RequestFlow
-from modeldock.extproc.gateway import Gateway
+from modeldock.gateway import Gateway
 
 log = logging.getLogger("modeldock.extproc")
 

@@ -9,16 +9,16 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import json_format, message, struct_pb2
+from google.protobuf import json_format, message
 
 from modeldock.config import hash_key, parse_config
 from modeldock.types import Endpoint
 from modeldock.extproc.app import ExtProcOptions, ExtProcServer
 from modeldock.xds.app import XdsOptions, XdsServer
+from tests.support.extproc_messages import ATTR, AUTH, body_request, headers_request, raw_headers, retry_report
 
 KEY = "contract-key"
 DATA = {
@@ -27,42 +27,18 @@ DATA = {
     "discovery": {"stale_after_seconds": 1.0},
 }
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-ATTR = "envoy.filters.http.ext_proc"
-AUTH = "request.headers['authorization']"
-
-
-def _attributes(msg: ep.ProcessingRequest, values: dict[str, str]) -> ep.ProcessingRequest:
-    struct = struct_pb2.Struct()
-    struct.update(values)
-    msg.attributes[ATTR].CopyFrom(struct)
-    return msg
 
 
 def _body(payload: bytes, key: str | None = KEY, path: str = "/v1/completions",
           authorization: str | None = None) -> ep.ProcessingRequest:
     """A completion request as Envoy sends it: the buffered body with the request attributes."""
-    values = {"request.method": "POST", "request.path": path, "request.id": "c-1"}
-    if authorization is not None or key is not None:
-        values[AUTH] = authorization if authorization is not None else f"Bearer {key}"
-    return _attributes(ep.ProcessingRequest(request_body=ep.HttpBody(body=payload, end_of_stream=True)), values)
-
-
-def _retry_report(*attempts: tuple[str, str]) -> als_pb2.StreamAccessLogsMessage:
-    """What Envoy's upstream access log sends when a retry's connection is ready: (request id, ip:port)."""
-    msg = als_pb2.StreamAccessLogsMessage(identifier=als_pb2.StreamAccessLogsMessage.Identifier(
-        node=base_pb2.Node(id="envoy"), log_name="modeldock_attempts"))
-    for request_id, address in attempts:
-        host, _, port = address.rpartition(":")
-        entry = msg.http_logs.log_entry.add()
-        entry.request.request_id = request_id
-        entry.common_properties.upstream_remote_address.socket_address.address = host
-        entry.common_properties.upstream_remote_address.socket_address.port_value = int(port)
-    return msg
+    if authorization is None and key is not None:
+        authorization = f"Bearer {key}"
+    return body_request(payload, path=path, request_id="c-1", authorization=authorization)
 
 
 def _headers(*pairs: tuple[str, str]) -> ep.ProcessingRequest:
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
-    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=True))
+    return headers_request(raw_headers(*pairs))
 
 
 def _error(resp: ep.ProcessingResponse) -> tuple[int, str]:
@@ -135,8 +111,8 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             # A report for a request this replica does not hold changes nothing.
             retries = ext.metrics.retries._value.get()
             log = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
-            await log.write(_retry_report(("someone-else", endpoints[0])))
-            await log.write(_retry_report(("c-1", endpoints[1])))
+            await log.write(retry_report(("someone-else", endpoints[0])))
+            await log.write(retry_report(("c-1", endpoints[1])))
             await _wait(lambda: ext.picker.in_flight(Endpoint.parse(endpoints[1])) == 1)
             assert ext.picker.total_in_flight() == 1
             assert ext.metrics.retries._value.get() == retries + 1
@@ -149,7 +125,7 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             await _wait(lambda: ext.picker.total_in_flight() == 0)
             # A report that comes after the stream ended counts nothing.
             late = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
-            await late.write(_retry_report(("c-1", endpoints[0])))
+            await late.write(retry_report(("c-1", endpoints[0])))
             await late.done_writing()
             await late
             assert ext.picker.total_in_flight() == 0 and ext.metrics.retries._value.get() == retries + 1
@@ -227,7 +203,7 @@ async def test_extproc_stops_dispatching_when_xds_is_gone_too_long(servers) -> N
     await xds.stop(0)
     await _wait(lambda: ext.xds.disconnected_for() > 1.0, 5)
     with pytest.raises(Exception) as info:
-        ext.gateway.pick("m")
+        ext.gateway.check_dispatchable("m")
     assert getattr(info.value, "code", "") == "endpoint_snapshot_stale"
 
 
@@ -243,7 +219,7 @@ async def test_stop_does_not_wait_out_the_grace_for_envoys_log_streams(tmp_path:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{ext.bound_port}") as channel:
             log = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
-            await log.write(_retry_report(("nobody", "127.0.0.1:9001")))
+            await log.write(retry_report(("nobody", "127.0.0.1:9001")))
             await _wait(lambda: ext.attempts.open_streams == 1)
             # A grace far longer than the wait: the stop must not sit it out.
             await asyncio.wait_for(ext.stop(60), 10)

@@ -89,10 +89,10 @@ def test_bad_key_is_401_authentication_error(stack: Stack, key: str) -> None:
     assert info.value.body["message"]
 
 
-def test_model_outside_allowlist_is_403(stack: Stack) -> None:
-    with pytest.raises(openai.PermissionDeniedError) as info:
+def test_model_outside_allowlist_is_404_like_an_unknown_one(stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
         stack.openai().chat.completions.create(model="other-model", messages=[{"role": "user", "content": "x"}])
-    assert info.value.body["code"] == "model_not_allowed"
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_unknown_model_is_404(stack: Stack) -> None:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from google.protobuf import struct_pb2
 
-from modeldock.admission.limits import Admission
-from modeldock.clock import FakeClock
-from modeldock.config import hash_key, parse_config
-from modeldock.types import Endpoint
+from modeldock.config import hash_key
 from modeldock.extproc.flow import RequestFlow
-from modeldock.extproc.gateway import Gateway
-from modeldock.picking import Picker
+from modeldock.gateway import Gateway
+from modeldock.types import Endpoint
+from tests.support.extproc_messages import body_request, headers_request, make_gateway, raw_headers
 
 KEY = "k-acme"
 CONFIG = {
@@ -31,36 +28,20 @@ CONFIG = {
 
 @pytest.fixture
 def gateway() -> Gateway:
-    clock = FakeClock()
-    config = parse_config(CONFIG)
-    gw = Gateway(config, clock, Picker(clock), Admission(config, clock))
-    gw.on_endpoints("llama-8b", (Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)))
-    gw.on_endpoints("llama-70b", (Endpoint("10.0.0.3", 8000),))
-    return gw
-
-
-def attrs(msg: ep.ProcessingRequest, **values: str) -> ep.ProcessingRequest:
-    struct = struct_pb2.Struct()
-    struct.update(values)
-    msg.attributes["envoy.filters.http.ext_proc"].CopyFrom(struct)
-    return msg
+    return make_gateway(CONFIG, {"llama-8b": ["10.0.0.1:8000", "10.0.0.2:8000"], "llama-70b": ["10.0.0.3:8000"]})
 
 
 def headers(*pairs: tuple[str, str], end: bool = False) -> ep.ProcessingRequest:
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
-    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end))
+    return headers_request(raw_headers(*pairs), end_of_stream=end)
 
 
 def post(payload: object | bytes, path: str = "/v1/chat/completions", key: str | None = KEY,
          method: str = "POST", authorization: str | None = None) -> ep.ProcessingRequest:
     """The buffered body, with the request attributes Envoy sends beside it."""
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    values = {"request.method": method, "request.path": path, "request.id": "r1"}
-    if authorization is not None:
-        values["request.headers['authorization']"] = authorization
-    elif key is not None:
-        values["request.headers['authorization']"] = f"Bearer {key}"
-    return attrs(ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True)), **values)
+    if authorization is None and key is not None:
+        authorization = f"Bearer {key}"
+    return body_request(raw, method=method, path=path, request_id="r1", authorization=authorization)
 
 
 def status_of(resp: ep.ProcessingResponse) -> int:
@@ -157,8 +138,10 @@ OK = {"model": "llama-8b"}
         (post({"messages": []}), 400, "missing_model"),
         (post({"model": 7}), 400, "invalid_model"),
         (post({"model": "llama\r\n-8b"}), 400, "invalid_model"),
-        (post({"model": "mistral"}), 403, "model_not_allowed"),
+        # Outside the allowlist reads like unknown: a key cannot learn which models exist.
+        (post({"model": "mistral"}), 404, "model_not_found"),
         (post({"model": "nope"}), 404, "model_not_found"),
+        (post(b'{"model": "mistral", "model": "llama-8b"}'), 400, "duplicate_key"),
         (post({"model": "llama-8b", "pad": "x" * 3000}), 413, "request_too_large"),
     ],
 )
@@ -224,13 +207,10 @@ async def test_no_endpoints_gets_503(gateway: Gateway) -> None:
 
 
 async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> None:
-    clock = FakeClock()
     data = dict(CONFIG, tenants=[{"id": "acme", "api_key_hashes": [hash_key(KEY)], "models": ["llama-*"],
                                   "requests_per_minute": 2, "max_in_flight": 1}])
-    config = parse_config(data)
-    admission = Admission(config, clock)
-    gw = Gateway(config, clock, Picker(clock), admission)
-    gw.on_endpoints("llama-8b", (Endpoint("10.0.0.1", 8000),))
+    gw = make_gateway(data, {"llama-8b": ["10.0.0.1:8000"]})
+    admission = gw.admission
 
     async def start() -> tuple[RequestFlow, ep.ProcessingResponse]:
         flow = RequestFlow(gw)
@@ -260,11 +240,9 @@ async def test_rate_limit_429_with_headers_and_concurrency_released_at_end() -> 
 
 
 async def test_a_request_that_cannot_be_served_keeps_its_rate_limit_quota() -> None:
-    clock = FakeClock()
     data = dict(CONFIG, tenants=[{"id": "acme", "api_key_hashes": [hash_key(KEY)], "models": ["llama-*"],
                                   "requests_per_minute": 1}])
-    config = parse_config(data)
-    gw = Gateway(config, clock, Picker(clock), Admission(config, clock))
+    gw = make_gateway(data, {})
     # No endpoints yet, then a stale snapshot: both 503, neither counted against the minute's 1 request.
     assert error_of(await RequestFlow(gw).handle(post({"model": "llama-8b"})))["code"] == "no_ready_endpoints"
     gw.on_endpoints("llama-8b", (Endpoint("10.0.0.1", 8000),))
@@ -275,3 +253,16 @@ async def test_a_request_that_cannot_be_served_keeps_its_rate_limit_quota() -> N
     assert route_of(await flow.handle(post({"model": "llama-8b"})))[0] == "model:llama-8b"
     flow.finish()
     assert error_of(await RequestFlow(gw).handle(post({"model": "llama-8b"})))["code"] == "rate_limit_exceeded"
+
+
+async def test_unknown_and_forbidden_models_get_one_answer_and_the_log_keeps_why(
+        gateway: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "modeldock.extproc")
+    unknown = await RequestFlow(gateway).handle(post({"model": "nope"}))
+    forbidden = await RequestFlow(gateway).handle(post({"model": "mistral"}))
+    assert status_of(unknown) == status_of(forbidden) == 404
+    assert error_of(unknown)["message"] == "The model `nope` does not exist or you do not have access to it."
+    assert error_of(forbidden) == {**error_of(unknown), "message": error_of(unknown)["message"].replace("nope", "mistral")}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("r1" in line and "unknown model" in line for line in lines), lines
+    assert any("r1" in line and "allowlist" in line and "acme" in line for line in lines), lines

@@ -17,8 +17,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from modeldock.errors import BadRequest, Rejection, Unauthorized
-from modeldock.extproc.request import RequestHead, bearer_key, head_from_attributes, parse_body, read_head
+from modeldock.errors import BadRequest, PayloadTooLarge, Rejection, Unauthorized
+from modeldock.gateway.request import (
+    RequestHead,
+    bearer_key,
+    check_length,
+    head_from_attributes,
+    parse_body,
+    read_head,
+)
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -266,14 +273,31 @@ def test_joined_authorization_headers_are_refused_unless_single(auth: list[str])
 
 def test_read_head_content_length_with_a_non_ascii_digit() -> None:
     head = _must_be_rejection(read_head, [("content-length", "²")])
-    assert isinstance(head, (RequestHead, Rejection))
+    # Read as no length at all (Envoy enforces the body limit itself), not an error nor the digit 2.
+    assert isinstance(head, RequestHead) and head.content_length is None
 
 
 def test_read_head_content_length_over_4300_digits() -> None:
     head = _must_be_rejection(read_head, [("content-length", "9" * 5000)])
-    assert isinstance(head, (RequestHead, Rejection))
+    # Too many digits to convert: read as a length over any limit, so a length check refuses it (413).
+    assert isinstance(head, RequestHead) and head.content_length is not None
+    with pytest.raises(PayloadTooLarge):
+        check_length(head.content_length, 1 << 40)
 
 
 def test_parse_body_with_an_integer_over_4300_digits() -> None:
     result = _must_be_rejection(parse_body, b'{"model": "m", "n": ' + b"9" * 5000 + b"}")
     assert isinstance(result, BadRequest)
+
+
+@pytest.mark.parametrize("body", [b'{"model": "a", "model": "b"}', b'{"model": "a", "x": 1, "x": 2}',
+                                  b'{"model": "a", "model": "a"}'])
+def test_parse_body_refuses_a_top_level_key_given_twice(body: bytes) -> None:
+    """Parsers disagree on which value wins; the gateway must not authorize one `model` and send another."""
+    result = _must_be_rejection(parse_body, body)
+    assert isinstance(result, BadRequest) and result.code == "duplicate_key"
+    assert "`model`" in result.message or "`x`" in result.message
+
+
+def test_parse_body_keeps_nested_objects_as_sent() -> None:
+    assert parse_body(b'{"model": "a", "x": {"k": 1, "k": 2}}') == {"model": "a", "x": {"k": 2}}

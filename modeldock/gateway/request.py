@@ -34,8 +34,25 @@ def _finite_float(text: str) -> float:
     return value
 
 
+class _Duplicated(dict[str, object]):
+    """An object that named a key twice (`key`, the first repeated). JSON parsers disagree on which value
+    wins, so a body the gateway authorized on one `model` could reach the backend as another."""
+
+    key = ""
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    data = dict(pairs)
+    if len(data) == len(pairs):
+        return data
+    seen: set[str] = set()
+    duplicated = _Duplicated(data)
+    duplicated.key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+    return duplicated
+
+
 # One decoder for every request: json.loads with hooks builds a new one each call.
-_DECODER = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite_float)
+_DECODER = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite_float, object_pairs_hook=_object)
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,8 @@ def parse_body(body: bytes) -> dict[str, object]:
         raise BadRequest("Request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest("Request body must be a JSON object.", code="invalid_body")
+    if type(data) is _Duplicated:  # only the top level: nested objects go upstream as they are
+        raise BadRequest(f"Request body has the key `{data.key[:64]}` more than once.", code="duplicate_key")
     model = data.get("model")
     if model is None:
         raise BadRequest("Request body has no `model`.", code="missing_model")

@@ -1,0 +1,331 @@
+"""The ext_proc fuzz and edge cases through the real grpc.aio servicer, in process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Hashable
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import message
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modeldock.extproc.flow import RequestFlow
+from modeldock.extproc.server import ExtProcServicer
+from modeldock.extproc.wire import add_servicer
+from modeldock.gateway import Gateway
+from modeldock.types import Endpoint
+from tests.support.extproc_messages import ATTR, AUTH
+from tests.unit.extproc.flow_fuzz_setup import (
+    FREE_KEY,
+    KEY,
+    REDIS_MODES,
+    FakeRedis,
+    body_msg,
+    corrupt,
+    decoded,
+    make_gateway,
+    reply_msg,
+    seeds,
+)
+from tests.unit.extproc.flow_fuzz_strategies import reports, wire_script
+from tests.unit.extproc.flow_fuzz_invariants import (
+    Counted,
+    assert_counts,
+    assert_nothing_held,
+    attrs_of,
+    changes_nothing,
+    check_outcome,
+    check_response,
+    check_routed,
+    keys_only_in_authorization,
+    moved,
+    primary_of,
+    request_id_of,
+    tenant_of,
+    until,
+)
+
+
+# ---------------------------------------------------------------- through the real grpc.aio servicer
+
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class Failures(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            self.records.append(record)
+
+
+async def serve(gw: Gateway, on_retry: Callable[[RequestFlow], None] | None = None,
+                 ) -> tuple[grpc.aio.Server, ExtProcServicer, int, list[RequestFlow]]:
+    finished: list[RequestFlow] = []
+    servicer = ExtProcServicer(gw, lambda flow, _s: finished.append(flow), on_retry)
+    server = grpc.aio.server()
+    add_servicer(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, servicer, port, finished
+
+
+def raw_process(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallable:
+    """Process, sending bytes as they are: lets a test put invalid UTF-8 on the wire."""
+    return channel.stream_stream(PROCESS, request_serializer=lambda b: b,
+                                 response_deserializer=ep.ProcessingResponse.FromString)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(REDIS_MODES), seed=seeds, scripts=st.lists(wire_script(), min_size=1, max_size=4),
+       data=st.data())
+def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[bytes, ep.ProcessingRequest]]],
+                               data: st.DataObject) -> None:
+    """Streams through the real servicer, their steps interleaved at random, each ended by the client (done
+    writing, or cancelled, early or not), with retry reports by request id in between. A report reaches the
+    request routed last under its id while that request is live, and nothing else: not a request whose stream
+    ended, nor one whose id a later request took; and one request's end never unregisters another's id."""
+    # One step per message plus one to end the stream, in a random interleaving.
+    steps = data.draw(st.permutations([i for i, script in enumerate(scripts) for _ in range(len(script) + 1)]))
+    ids = sorted({request_id_of(seen) for script in scripts for _, seen in script} | {"r-unknown"})
+    failures = Failures()
+    logger = logging.getLogger("modeldock.extproc")
+    logger.addHandler(failures)
+
+    async def run() -> None:
+        gw = make_gateway(mode, seed=seed)
+        reached: list[RequestFlow] = []  # the flows retry reports moved, by the servicer's on_retry
+        server, servicer, port, finished = await serve(gw, reached.append)
+        calls: list[grpc.aio.StreamStreamCall | None] = [None] * len(scripts)
+        secret = [keys_only_in_authorization([seen for _, seen in script]) for script in scripts]
+        firsts: list[ep.ProcessingResponse | None] = [None] * len(scripts)
+        request_ids = [""] * len(scripts)
+        registry: dict[str, int] = {}  # what the servicer should route reports by: id -> stream
+        counted: dict[Hashable, Counted] = {}
+        sent = [0] * len(scripts)
+        answered = [False] * len(scripts)  # an immediate response: Envoy sends nothing more
+        ended = [False] * len(scripts)
+
+        def report(request_id: str, address: str) -> None:
+            target = registry.get(request_id)
+            reached.clear()
+            servicer.retried(request_id, address)
+            if target is None:
+                assert not reached, f"a report for {request_id!r} reached {reached}"
+                return
+            before = counted[target].at
+            counted[target].at = moved(before, address)
+            if counted[target].at == before:
+                assert not reached, "on_retry for a report that moved nothing"  # counted once, as a real move
+                return
+            assert len(reached) == 1 and reached[0].head is not None and reached[0].head.request_id == request_id
+            flow = reached[0]
+            assert flow.lease is not None and not flow.lease.released and flow.lease.endpoint == counted[target].at
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                process = raw_process(channel)
+                for i in steps:
+                    for address in data.draw(reports):
+                        report(data.draw(st.sampled_from(ids)), address)
+                    assert_counts(gw, counted)
+                    if ended[i]:
+                        continue
+                    call = calls[i]
+                    # A stream ends after its last message, after an immediate response, or early (client gone);
+                    # never before its first message, which is what opens it at the server.
+                    if call is not None and (sent[i] == len(scripts[i]) or answered[i]
+                                             or data.draw(st.integers(0, 9)) == 0):
+                        if data.draw(st.booleans()):
+                            call.cancel()
+                        else:
+                            await call.done_writing()
+                            assert await call.read() is grpc.aio.EOF
+                            assert await call.code() == grpc.StatusCode.OK
+                        ended[i] = True
+                        # The servicer ends every flow when its stream ends, cancelled or not (in the same step
+                        # as it counts the stream closed: waiting on the count fails fast if it does not).
+                        await until(lambda: servicer.open_streams == sum(c is not None for c in calls) - sum(ended))
+                        assert len(finished) == sum(ended)
+                        flow = finished[-1]
+                        check_outcome(flow, firsts[i])
+                        if i in counted:
+                            assert flow.head is not None and flow.head.request_id == request_ids[i]
+                            del counted[i]
+                        if registry.get(request_ids[i]) == i:
+                            del registry[request_ids[i]]
+                    else:
+                        if call is None:
+                            call = calls[i] = process()
+                        raw, seen = scripts[i][sent[i]]
+                        await call.write(raw)
+                        resp = await call.read()
+                        assert resp is not grpc.aio.EOF, f"the server ended the stream instead of answering: " \
+                            f"{await call.code()}"
+                        kind = check_response(seen, resp, first=sent[i] == 0, secret=secret[i])
+                        answered[i] = kind == "immediate_response"
+                        if sent[i] == 0:
+                            firsts[i] = resp
+                            if kind == "request_body":
+                                counted[i] = Counted(primary_of(resp), primary_of(resp))
+                                request_ids[i] = request_id_of(seen)
+                                if request_ids[i]:  # the servicer registered it before answering
+                                    registry[request_ids[i]] = i
+                        sent[i] += 1
+                    assert_counts(gw, counted)
+                    assert servicer.open_streams == sum(c is not None for c in calls) - sum(ended)
+                    routed_acme = sum(1 for j in counted if tenant_of(attrs_of(scripts[j][0][1]).get(AUTH, "")) == "acme")
+                    assert routed_acme <= gw.admission.in_flight("acme") <= 1
+            assert all(ended) and servicer.open_streams == 0
+            for request_id in ids:  # every stream ended: no report reaches anything
+                report(request_id, "10.0.0.9:8000")
+            assert_nothing_held(gw)
+        finally:
+            await server.stop(0)
+            await gw.admission.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        logger.removeHandler(failures)
+    assert not failures.records, [r.getMessage() for r in failures.records]
+
+
+@pytest.mark.parametrize("junk", [b"\xff\xfe\xfd\xfc", b"Bearer \xff\xfe" + KEY.encode(),
+                                  b"Bearer " + KEY.encode() + b"\xc3", b"\xed\xa0\x80" * 3])
+async def test_grpc_authorization_attribute_not_utf8_gets_401(junk: bytes) -> None:
+    """Envoy copies the Authorization header's bytes into a protobuf string; bytes that are not UTF-8 must be
+    an unknown key (401 JSON), not a grpc error that breaks the request."""
+    gw = make_gateway()
+    server, servicer, port, finished = await serve(gw)
+    failures = Failures()
+    logging.getLogger("modeldock.extproc").addHandler(failures)
+    try:
+        raw = corrupt(body_msg(b'{"model":"llama-8b"}'), {(ATTR, AUTH): junk})
+        with pytest.raises(message.DecodeError):  # what upb alone would do with it
+            ep.ProcessingRequest.FromString(raw)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = raw_process(channel)()
+            await call.write(raw)
+            resp = await call.read()
+            assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()} {await call.details()}"
+            assert resp.WhichOneof("response") == "immediate_response", resp
+            imm = resp.immediate_response
+            assert imm.status.code == 401
+            err = json.loads(imm.body)["error"]
+            assert err["type"] == "invalid_request_error"
+            assert err["code"] in ("invalid_api_key", "invalid_authorization"), err
+            assert KEY.encode() not in resp.SerializeToString()
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+            await until(lambda: servicer.open_streams == 0 and len(finished) == 1)
+        assert finished[0].outcome == "rejected" and finished[0].status == 401
+        assert_nothing_held(gw)
+    finally:
+        logging.getLogger("modeldock.extproc").removeHandler(failures)
+        await server.stop(0)
+    assert not failures.records, [r.getMessage() for r in failures.records]
+
+
+async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
+    """Bytes that are not UTF-8 in another attribute (here the request id) do not stop a good request; its
+    retries are reported under the id as ext_proc read it."""
+    gw = make_gateway()
+    reached: list[RequestFlow] = []
+    server, servicer, port, finished = await serve(gw, reached.append)
+    try:
+        msg = body_msg(b'{"model":"llama-70b"}', auth=f"Bearer {FREE_KEY}")
+        raw = corrupt(msg, {(ATTR, "request.id"): b"\xffid\xfe"})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = raw_process(channel)()
+            await call.write(raw)
+            resp = await call.read()
+            assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()}"
+            assert check_routed(decoded(msg, {(ATTR, "request.id"): b"\xffid\xfe"}), resp) == "llama-70b"
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
+            servicer.retried("r-1", "10.0.0.9:8000")  # the id as sent was never read: no such request
+            assert not reached and gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
+            servicer.retried("\ufffdid\ufffd", "10.0.0.9:8000")
+            assert len(reached) == 1 and reached[0].retried
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == gw.picker.total_in_flight() == 1
+            # A later message with bad bytes (Envoy sends none) goes on unchanged.
+            stray = corrupt(reply_msg("200"), {(ATTR, "request.path"): b"/v1/\xff\xff"})
+            await call.write(stray)
+            later = await call.read()
+            assert later.WhichOneof("response") == "response_headers" and changes_nothing(later), later
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            await until(lambda: servicer.open_streams == 0 and len(finished) == 1)
+        assert finished[0].outcome == "proxied" and finished[0].head.request_id == "\ufffdid\ufffd"
+        assert_nothing_held(gw)
+        servicer.retried("\ufffdid\ufffd", "10.0.0.3:8000")  # the stream ended
+        assert len(reached) == 1
+        assert_nothing_held(gw)
+    finally:
+        await server.stop(0)
+
+
+async def test_grpc_duplicate_request_ids() -> None:
+    """A client may send its own x-request-id, so two live requests can share one. Reports go to the one
+    routed last while it is live; the first one's end must not unregister the second."""
+    gw = make_gateway()
+    reached: list[RequestFlow] = []
+    server, servicer, port, finished = await serve(gw, reached.append)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            calls = [raw_process(channel)() for _ in range(2)]
+            for call in calls:  # free has no limits: both are routed
+                await call.write(body_msg(b'{"model":"llama-70b"}', auth=f"Bearer {FREE_KEY}",
+                                          request_id="dup").SerializeToString())
+                assert (await call.read()).WhichOneof("response") == "request_body"
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 2
+            servicer.retried("dup", "10.0.0.9:8000")
+            second = reached[-1]
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1
+            await calls[0].done_writing()
+            assert await calls[0].read() is grpc.aio.EOF
+            await until(lambda: len(finished) == 1)
+            assert finished[0] is not second
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 0
+            servicer.retried("dup", "[::1]:8000")  # still the second's
+            assert reached[-1] is second and len(reached) == 2
+            assert gw.picker.in_flight(Endpoint.parse("[::1]:8000")) == gw.picker.total_in_flight() == 1
+            calls[1].cancel()
+            await until(lambda: servicer.open_streams == 0 and len(finished) == 2)
+            assert finished[1] is second
+            servicer.retried("dup", "10.0.0.3:8000")
+            assert len(reached) == 2
+        assert_nothing_held(gw)
+    finally:
+        await server.stop(0)
+
+
+async def test_grpc_client_gone_while_waiting_for_redis_holds_nothing() -> None:
+    redis = FakeRedis("up")
+    redis.gate = asyncio.Event()
+    gw = make_gateway("up", redis)
+    server, servicer, port, finished = await serve(gw)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(body_msg(b'{"model":"llama-8b"}'))
+            await until(lambda: gw.admission.in_flight("acme") == 1)
+            call.cancel()
+            await until(lambda: servicer.open_streams == 0 and len(finished) == 1)
+        assert_nothing_held(gw)
+        assert finished[0].lease is None  # never picked: the client left during admission
+        assert finished[0].outcome == "incomplete"
+        servicer.retried("r-1", "10.0.0.2:8000")  # never routed, so never registered
+        assert_nothing_held(gw)
+    finally:
+        await server.stop(0)
