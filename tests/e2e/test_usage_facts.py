@@ -114,6 +114,7 @@ def bootstrap(listen: int, admin: int, als: int, sim: int) -> dict[str, Any]:
                               "grpc_service": {"envoy_grpc": {"cluster_name": "als"}},
                               "buffer_size_bytes": 0, "buffer_flush_interval": "0.005s"}}}],
         "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/dead/"}, "route": {"cluster": "dead", "prefix_rewrite": "/"}},
             {"match": {"prefix": "/"}, "route": {"cluster": "sim", "timeout": "0s"}}]}]},
         "http_filters": [*SCAFFOLDING, *USAGE_FILTERS, {"name": "envoy.filters.http.router", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
@@ -124,7 +125,7 @@ def bootstrap(listen: int, admin: int, als: int, sim: int) -> dict[str, Any]:
             "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
                            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                            "typed_config": hcm}]}]}],
-            "clusters": [cluster("sim", sim), cluster("als", als, h2=True)],
+            "clusters": [cluster("sim", sim), cluster("als", als, h2=True), cluster("dead", free_port())],
         },
     }
 
@@ -132,6 +133,7 @@ def bootstrap(listen: int, admin: int, als: int, sim: int) -> dict[str, Any]:
 @dataclass
 class Rig:
     client: openai.AsyncOpenAI
+    dead: openai.AsyncOpenAI  # routes to a port nobody listens on
     logs: AccessLogCollector
     sim: Sim
 
@@ -170,10 +172,12 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 
         wait_until(ready, 20, what="Envoy ready")
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{listen}/v1", api_key="unused", max_retries=0)
+        dead = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{listen}/dead/v1", api_key="unused", max_retries=0)
         try:
-            yield Rig(client, logs, sim)
+            yield Rig(client, dead, logs, sim)
         finally:
             await client.close()
+            await dead.close()
     finally:
         sup.stop_all(timeout=5)
         await server.stop(None)
@@ -234,7 +238,7 @@ async def test_no_usage_when_the_stream_has_none(rig: Rig) -> None:
     chunks = [chunk async for chunk in stream]
     assert chunks and all(chunk.usage is None for chunk in chunks)
     entry, _ = await rig.entry(request_id)
-    assert entry.response.response_code.value == 200
+    assert entry.response.response_code.value == 200 and entry.response.upstream_header_bytes_received > 0
     assert metadata(entry) is None
 
 
@@ -252,3 +256,16 @@ async def test_a_stream_the_client_cuts_has_no_usage(rig: Rig) -> None:
     entry, _ = await rig.entry(request_id)
     assert metadata(entry) is None
     assert entry.common_properties.response_flags.downstream_connection_termination
+    assert entry.response.upstream_header_bytes_received > 0  # it reached a backend: charge the reservation
+
+
+async def test_a_request_no_backend_answered_has_no_upstream_header_bytes(rig: Rig) -> None:
+    request_id = rid()
+    with pytest.raises(openai.InternalServerError):
+        await rig.dead.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+            extra_headers={"x-request-id": request_id})
+    entry, _ = await rig.entry(request_id)
+    assert entry.response.response_code.value == 503
+    assert entry.response.upstream_header_bytes_received == 0  # never reached a backend: refund
+    assert metadata(entry) is None
