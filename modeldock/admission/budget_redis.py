@@ -14,7 +14,7 @@ Failures raise `RedisUnavailable` (from redis_window), bounded by `timeout_s`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -204,8 +204,8 @@ class RedisTokenWindow:
         return self._now_us() if self._now_us is not None else ""
 
 
-def _keys(zset_keys: Any) -> list[str]:
-    out = []
+def _keys(zset_keys: Iterable[str]) -> list[str]:
+    out: list[str] = []
     for key in zset_keys:
         out.extend((key, key + ":amt"))
     return out

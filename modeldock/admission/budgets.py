@@ -16,8 +16,8 @@ import fnmatch
 import itertools
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Literal
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 
@@ -304,11 +304,11 @@ class TokenBudgets:
 
         self._spawn(refund())
 
-    def _spawn(self, coro: object) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         try:
-            task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+            task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:
-            coro.close()  # type: ignore[attr-defined]
+            coro.close()
             return
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,16 @@ from modeldock.errors import RateLimited
 from tests.unit.admission.budget_helpers import budget_config, budget_tenant
 
 WINDOW = 60.0
+
+
+@dataclass
+class Entry:
+    """The model of one request's reservation."""
+
+    at: float
+    amount: int
+    finished: bool = False
+    outcome: int | None = None  # the first settlement's amount
 KEY = "modeldock:tb:{acme}:minute"
 
 actions = st.lists(
@@ -35,13 +46,13 @@ def test_budget_matches_the_model(limit: int, actions: list[tuple[str, int, int]
         clock = FakeClock()
         t = budget_tenant(tpm=limit)
         budgets = TokenBudgets(budget_config(t), clock)
-        # request id -> [reserved at, amount, finished?, first outcome's amount]
-        model: dict[str, list[float | int | bool | None]] = {}
+        model: dict[str, Entry] = {}  # each request id's latest reservation
+        entries: list[Entry] = []  # every reservation made (an id may be reused once settled)
         objects: dict[str, Reservation] = {}
 
         def in_window() -> int:
             now = clock.monotonic()
-            return sum(int(e[1]) for e in model.values() if now - float(e[0]) < WINDOW)  # type: ignore[arg-type]
+            return sum(e.amount for e in entries if now - e.at < WINDOW)
 
         for kind, value, who in actions:
             rid = f"r{who}"
@@ -49,7 +60,7 @@ def test_budget_matches_the_model(limit: int, actions: list[tuple[str, int, int]
             if kind == "advance":
                 clock.advance(value)
             elif kind == "reserve":
-                live = entry is not None and not entry[2]
+                live = entry is not None and not entry.finished
                 expected = live or (value <= limit and in_window() + value <= limit)
                 try:
                     got = await budgets.reserve(t, "m", value, rid)
@@ -63,11 +74,12 @@ def test_budget_matches_the_model(limit: int, actions: list[tuple[str, int, int]
                     assert got is objects[rid]  # the same request: nothing reserved again
                 else:
                     objects[rid] = got
-                    model[rid] = [clock.monotonic(), value, False, None]
+                    model[rid] = Entry(clock.monotonic(), value)
+                    entries.append(model[rid])
             elif entry is not None:
                 r = objects[rid]
-                first = not entry[2]
-                in_win = clock.monotonic() - float(entry[0]) < WINDOW  # type: ignore[arg-type]
+                first = not entry.finished
+                in_win = clock.monotonic() - entry.at < WINDOW
                 if kind == "settle":
                     await r.finish(reached_backend=True, usage=Usage(value // 2, value - value // 2))
                     amount = value
@@ -78,11 +90,10 @@ def test_budget_matches_the_model(limit: int, actions: list[tuple[str, int, int]
                     await r.finish(reached_backend=True, usage=None)
                     amount = r.cost
                 if first:
-                    entry[2] = True
-                    entry[3] = amount
+                    entry.finished, entry.outcome = True, amount
                     if in_win:
-                        entry[1] = amount
-                assert r.charged == entry[3]  # exactly once: the first outcome stands
+                        entry.amount = amount
+                assert r.charged == entry.outcome  # exactly once: the first outcome stands
             assert budgets._local.used(KEY, WINDOW) == in_window()
 
     asyncio.run(run())

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio
 
 from modeldock.admission.budget_redis import RedisTokenWindow
-from modeldock.admission.budgets import TokenBudgets
+from modeldock.admission.budgets import Reservation, TokenBudgets
 from modeldock.admission.redis_window import make_redis_client
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited, Unavailable
@@ -20,7 +21,7 @@ from tests.unit.admission.budget_helpers import budget_config, budget_tenant
 MINUTE = "modeldock:tb:{acme}:minute"
 
 
-def clocked(clock: FakeClock) -> object:
+def clocked(clock: FakeClock) -> Callable[[], int]:
     return lambda: round(clock.time() * 1_000_000)
 
 
@@ -32,10 +33,13 @@ async def redis_total(server: RedisServer, key: str = MINUTE) -> int:
         await client.aclose()
 
 
-def replica(server: RedisServer, clock: FakeClock, tpm: int = 0, tpd: int = 0, **limits: object) -> TokenBudgets:
-    t = budget_tenant(tpm=tpm, tpd=tpd)
-    cfg = budget_config(t, redis_url=server.url, redis_timeout_ms=limits.pop("timeout_ms", 2000), **limits)
-    return TokenBudgets(cfg, clock, redis_now_us=clocked(clock))  # type: ignore[arg-type]
+def replica(
+    server: RedisServer, clock: FakeClock, tpm: int = 0, *, timeout_ms: int = 2000, redis_fail_open: bool = False
+) -> TokenBudgets:
+    cfg = budget_config(
+        budget_tenant(tpm=tpm), redis_url=server.url, redis_timeout_ms=timeout_ms, redis_fail_open=redis_fail_open
+    )
+    return TokenBudgets(cfg, clock, redis_now_us=clocked(clock))
 
 
 async def test_two_replicas_share_one_budget(redis_server: RedisServer) -> None:
@@ -54,9 +58,9 @@ async def test_two_replicas_share_one_budget(redis_server: RedisServer) -> None:
         assert sum(admitted) <= 10_000 and sum(admitted) > 10_000 - 900
         assert await redis_total(redis_server) == sum(admitted)
         # Settling higher than reserved overshoots the budget by at most what those requests underestimated.
-        held = [r for r in results if not isinstance(r, BaseException)]
+        held = [r for r in results if isinstance(r, Reservation)]
         for r in held:
-            await r.settle(r.cost + 10)  # type: ignore[union-attr]
+            await r.settle(r.cost + 10)
         assert await redis_total(redis_server) == sum(admitted) + 10 * len(held)
         with pytest.raises(RateLimited) as caught:
             await a.reserve(t, "m", 1, "late")
