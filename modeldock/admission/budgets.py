@@ -156,6 +156,7 @@ class TokenBudgets:
         self._limits = config.limits
         self._redis = self._make_redis(config.limits)
         self._held: dict[str, Reservation] = {}
+        self._retired: list[RedisTokenWindow] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._tag = os.urandom(6).hex()
         self._ids = itertools.count()
@@ -243,6 +244,7 @@ class TokenBudgets:
         if (old.redis_url, old.redis_timeout_ms) != (new.redis_url, new.redis_timeout_ms):
             retired, self._redis = self._redis, self._make_redis(new)
             if retired is not None:
+                self._retired.append(retired)
                 self._spawn(self._close_later(retired))
 
     async def close(self) -> None:
@@ -251,9 +253,11 @@ class TokenBudgets:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._redis is not None:
-            await self._redis.close()
-            self._redis = None
+        windows = [*self._retired, *([self._redis] if self._redis else [])]
+        self._retired.clear()
+        self._redis = None
+        for window in windows:
+            await window.close()
 
     async def _settle(self, reservation: Reservation, amount: int) -> None:
         self._held.pop(reservation.request_id, None)
@@ -315,6 +319,7 @@ class TokenBudgets:
 
     async def _close_later(self, window: RedisTokenWindow) -> None:
         await asyncio.sleep(window.timeout_s * 2 + 0.1)
+        self._retired.remove(window)
         await asyncio.shield(window.close())
 
     def _make_redis(self, limits: LimitsConfig) -> RedisTokenWindow | None:

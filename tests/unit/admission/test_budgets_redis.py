@@ -194,3 +194,21 @@ async def test_cancelled_reserve_is_refunded_in_redis(redis_server: RedisServer)
     finally:
         redis_server.resume()
         await budgets.close()
+
+
+async def test_reconfigure_to_another_redis_settles_where_it_reserved(redis_server: RedisServer) -> None:
+    clock = FakeClock()
+    t = budget_tenant(tpm=1000)
+    budgets = replica(redis_server, clock, tpm=1000)
+    other = RedisServer().start()
+    try:
+        r = await budgets.reserve(t, "m", 500, "a")
+        budgets.reconfigure(budget_config(t, redis_url=other.url, redis_timeout_ms=2000))
+        fresh = await budgets.reserve(t, "m", 400, "b")  # the new Redis is empty; the local window is not
+        assert fresh.headers["x-ratelimit-remaining-tokens"] == "600"
+        await r.settle(100)  # settles in the Redis that holds it
+        assert await redis_total(redis_server) == 100
+        assert await redis_total(other) == 400
+    finally:
+        await budgets.close()
+        other.close()
