@@ -265,8 +265,16 @@ class TokenBudgets:
         redis = reservation._redis
         if redis is None:
             return
+        # Its own task, so a caller cancelled mid-call (e.g. its stream ended) does not cut the settlement.
+        task = self._spawn(self._settle_shared(redis, reservation._entry_id, reservation._keys, amount))
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _settle_shared(
+        self, redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]], amount: int
+    ) -> None:
         try:
-            await redis.settle(reservation._entry_id, reservation._keys, amount)
+            await redis.settle(entry_id, keys, amount)
         except RedisUnavailable as exc:
             # The shared windows keep the reservation's amount: the request is charged its estimate.
             self.settle_errors += 1
@@ -308,14 +316,15 @@ class TokenBudgets:
 
         self._spawn(refund())
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         try:
             task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:
             coro.close()
-            return
+            return None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _close_later(self, window: RedisTokenWindow) -> None:
         await asyncio.sleep(window.timeout_s * 2 + 0.1)

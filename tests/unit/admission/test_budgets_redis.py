@@ -212,3 +212,26 @@ async def test_reconfigure_to_another_redis_settles_where_it_reserved(redis_serv
     finally:
         await budgets.close()
         other.close()
+
+
+async def test_a_settle_whose_caller_is_cancelled_still_lands(redis_server: RedisServer) -> None:
+    clock = FakeClock()
+    t = budget_tenant(tpm=1000)
+    budgets = replica(redis_server, clock, tpm=1000)
+    try:
+        r = await budgets.reserve(t, "m", 500, "a")
+        redis_server.pause()
+        caller = asyncio.ensure_future(r.settle(50))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        redis_server.resume()
+        for _ in range(100):
+            if not budgets._tasks:
+                break
+            await asyncio.sleep(0.02)
+        assert await redis_total(redis_server) == 50 and r.charged == 50
+    finally:
+        redis_server.resume()
+        await budgets.close()
