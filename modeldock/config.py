@@ -51,6 +51,11 @@ class TenantConfig(_Strict):
     # the window is per served name (see modeldock/admission/README.md).
     requests_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
     max_in_flight: Annotated[int, Field(ge=0)] = 0  # 0 means no limit
+    # Token budgets (admission/budgets.py); 0 or absent means no budget. Per-model keys are globs
+    # matched against the served model name; each pattern is one budget shared by the models it matches.
+    tokens_per_minute: Annotated[int, Field(ge=0)] = 0
+    tokens_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
+    tokens_per_day: Annotated[int, Field(ge=0)] = 0
 
     @field_validator("api_key_hashes")
     @classmethod
@@ -155,6 +160,8 @@ class LimitsConfig(_Strict):
     redis_fail_open: bool = False
     redis_timeout_ms: Annotated[int, Field(ge=1, le=5000)] = 50
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+    # Completion tokens reserved for a request that sets no max_tokens (token budgets only).
+    reserve_completion_tokens: Annotated[int, Field(ge=1)] = 1024
 
 
 class DiscoveryConfig(_Strict):

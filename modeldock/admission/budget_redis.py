@@ -1,0 +1,215 @@
+"""The token window shared by all replicas, kept in Redis.
+
+Same semantics as `budget_window.TokenWindow`. Each window is two keys in the
+tenant's hash slot: a sorted set (member: reservation id, score: the Redis
+server's time in microseconds) and a hash (reservation id -> amount, plus the
+running total under `~total`). Reserving is one Lua script: prune every window,
+check that the cost fits all of them, then add to all or none. Settling is a
+second script that sets the amount (absolute, so a resent call cannot count
+twice) in every window that still holds the reservation.
+
+Failures raise `RedisUnavailable` (from redis_window), bounded by `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from modeldock.admission.budget_window import BudgetLimit
+from modeldock.admission.redis_window import RedisUnavailable
+from modeldock.admission.window import Decision
+
+KEY_PREFIX = "modeldock:tb:"
+
+# Shared by both scripts: `now` from ARGV (tests) or the server's TIME, and a
+# prune that drops entries with now - score >= window and subtracts their amounts.
+_COMMON_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local now
+if ARGV[3] ~= '' then now = tonumber(ARGV[3]) else
+  local t = redis.call('TIME'); now = tonumber(t[1]) * 1000000 + tonumber(t[2]) end
+local function prune(z, h, window)
+  -- In batches: unpack() has a stack limit, and a day window can expire many entries at once.
+  while true do
+    local old = redis.call('ZRANGEBYSCORE', z, '-inf', now - window, 'LIMIT', 0, 1000)
+    if #old == 0 then break end
+    local amounts = redis.call('HMGET', h, unpack(old))
+    local gone = 0
+    for i = 1, #old do gone = gone + (tonumber(amounts[i]) or 0) end
+    redis.call('HDEL', h, unpack(old))
+    redis.call('HINCRBY', h, '~total', -gone)
+    redis.call('ZREM', z, unpack(old))
+  end
+  return tonumber(redis.call('HGET', h, '~total') or '0')
+end
+"""
+
+# KEYS: per window a sorted set and its hash. ARGV[1]: reservation id; ARGV[2]:
+# cost; ARGV[3]: now in µs or ''; then per window: window µs, limit.
+# Returns {allowed, then per window: remaining, reset_us, retry_us}.
+RESERVE_LUA = (
+    _COMMON_LUA
+    + """
+local id, cost = ARGV[1], tonumber(ARGV[2])
+local n = #KEYS / 2
+local used, allowed = {}, 1
+local again = redis.call('ZSCORE', KEYS[1], id) ~= false
+for i = 1, n do
+  used[i] = prune(KEYS[2 * i - 1], KEYS[2 * i], tonumber(ARGV[2 + 2 * i]))
+  if not again and used[i] + cost > tonumber(ARGV[3 + 2 * i]) then allowed = 0 end
+end
+local out = {allowed}
+for i = 1, n do
+  local z, h = KEYS[2 * i - 1], KEYS[2 * i]
+  local window, limit = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  if allowed == 1 and not again then
+    redis.call('ZADD', z, now, id)
+    redis.call('HSET', h, id, cost)
+    used[i] = redis.call('HINCRBY', h, '~total', cost)
+    local ttl = math.ceil(window / 1000) + 1
+    redis.call('PEXPIRE', z, ttl)
+    redis.call('PEXPIRE', h, ttl)
+  end
+  local reset, retry = 0, 0
+  local newest = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
+  if newest[2] then reset = tonumber(newest[2]) + window - now end
+  if allowed == 0 and used[i] + cost > limit then
+    retry = window
+    local entries = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
+    local freed = 0
+    for j = 1, #entries, 2 do
+      freed = freed + (tonumber(redis.call('HGET', h, entries[j])) or 0)
+      if used[i] - freed + cost <= limit then retry = tonumber(entries[j + 1]) + window - now; break end
+    end
+  end
+  local remaining = limit - used[i]
+  if remaining < 0 then remaining = 0 end
+  out[#out + 1] = remaining
+  out[#out + 1] = reset
+  out[#out + 1] = retry
+end
+return out
+"""
+)
+
+# KEYS as above. ARGV[1]: reservation id; ARGV[2]: the settled amount (0 removes
+# the entry); ARGV[3]: now or ''; then per window: window µs. Returns windows changed.
+SETTLE_LUA = (
+    _COMMON_LUA
+    + """
+local id, amount = ARGV[1], tonumber(ARGV[2])
+local changed = 0
+for i = 1, #KEYS / 2 do
+  local z, h = KEYS[2 * i - 1], KEYS[2 * i]
+  prune(z, h, tonumber(ARGV[3 + i]))
+  local old = redis.call('HGET', h, id)
+  if old then
+    redis.call('HINCRBY', h, '~total', amount - tonumber(old))
+    if amount == 0 then
+      redis.call('HDEL', h, id)
+      redis.call('ZREM', z, id)
+    else
+      redis.call('HSET', h, id, amount)
+    end
+    changed = changed + 1
+  end
+end
+return changed
+"""
+)
+
+
+def budget_key(tenant_id: str, name: str, prefix: str = KEY_PREFIX) -> str:
+    """A window's sorted-set key; `name` is `minute`, `day` or `minute:model:<pattern>`."""
+    return f"{prefix}{{{tenant_id}}}:{name}"
+
+
+class RedisTokenWindow:
+    def __init__(
+        self,
+        client_factory: Callable[[], Redis],
+        *,
+        timeout_s: float,
+        now_us: Callable[[], int] | None = None,
+    ) -> None:
+        """`now_us` replaces the Redis server's clock (tests only); None uses `TIME` on the server."""
+        self._client_factory = client_factory
+        self._client: Redis | None = None
+        self._reserve: Any = None
+        self._settle: Any = None
+        self.timeout_s = timeout_s
+        self._now_us = now_us
+
+    async def try_reserve_all(self, entry_id: str, cost: int, limits: Sequence[BudgetLimit]) -> list[Decision]:
+        if not limits:
+            return []
+        args: list[int | str] = [entry_id, cost, self._now_arg()]
+        for _, limit, window in limits:
+            args.extend((_us(window), limit))
+        reply = await self._call("reserve", _keys(key for key, _, _ in limits), args)
+        try:
+            allowed = int(reply[0]) == 1
+            out = []
+            for i, (_, limit, _w) in enumerate(limits):
+                remaining, reset_us, retry_us = (int(v) for v in reply[1 + 3 * i : 4 + 3 * i])
+                out.append(
+                    Decision(
+                        allowed=allowed,
+                        limit=limit,
+                        remaining=remaining,
+                        reset_after_s=max(reset_us, 0) / 1_000_000,
+                        retry_after_s=max(retry_us, 0) / 1_000_000,
+                    )
+                )
+            return out
+        except (TypeError, ValueError, IndexError) as exc:
+            raise RedisUnavailable(f"unexpected script reply: {exc}") from None
+
+    async def settle(self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int) -> int:
+        if not keys:
+            return 0
+        args: list[int | str] = [entry_id, amount, self._now_arg(), *(_us(window) for _, window in keys)]
+        reply = await self._call("settle", _keys(key for key, _ in keys), args)
+        try:
+            return int(reply)
+        except (TypeError, ValueError) as exc:
+            raise RedisUnavailable(f"unexpected script reply: {exc}") from None
+
+    async def close(self) -> None:
+        client, self._client, self._reserve, self._settle = self._client, None, None, None
+        if client is not None:
+            await client.aclose()
+
+    async def _call(self, which: str, keys: list[str], args: list[int | str]) -> Any:
+        if self._client is None:
+            # Built lazily so the client binds to the running event loop.
+            self._client = self._client_factory()
+            self._reserve = self._client.register_script(RESERVE_LUA)
+            self._settle = self._client.register_script(SETTLE_LUA)
+        script = self._reserve if which == "reserve" else self._settle
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await script(keys=keys, args=args)
+        except TimeoutError:
+            raise RedisUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms") from None
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"{type(exc).__name__}: {exc}") from None
+
+    def _now_arg(self) -> int | str:
+        return self._now_us() if self._now_us is not None else ""
+
+
+def _keys(zset_keys: Iterable[str]) -> list[str]:
+    out: list[str] = []
+    for key in zset_keys:
+        out.extend((key, key + ":amt"))
+    return out
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1_000_000)

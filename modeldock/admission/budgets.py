@@ -1,0 +1,340 @@
+"""Token budgets: reserve a request's estimated tokens at admission, settle once at the end.
+
+    budgets = TokenBudgets(config, clock)
+    reservation = await budgets.reserve(tenant, served_model, cost, request_id)  # RateLimited / Unavailable
+    response_headers.update(reservation.headers)                                  # x-ratelimit-*-tokens
+    ...
+    await reservation.finish(reached_backend=..., usage=...)                      # exactly once; later calls no-op
+
+The windows, the Redis layout and the settlement rule are in README.md ("Token budgets").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import itertools
+import logging
+import os
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Literal
+
+from redis.asyncio import Redis
+
+from modeldock.admission.budget_headers import token_ratelimit_headers, token_rejection_headers
+from modeldock.admission.budget_redis import RedisTokenWindow, budget_key
+from modeldock.admission.budget_window import BudgetLimit, TokenWindow
+from modeldock.admission.headers import format_duration
+from modeldock.admission.redis_window import RedisUnavailable, make_redis_client
+from modeldock.admission.tokens import Usage
+from modeldock.admission.window import Decision, binding
+from modeldock.clock import Clock
+from modeldock.config import Config, LimitsConfig, TenantConfig
+from modeldock.errors import RateLimited, Unavailable
+
+log = logging.getLogger(__name__)
+
+MINUTE_SECONDS = 60.0
+DAY_SECONDS = 86_400.0
+
+RedisClientFactory = Callable[[str, float], Redis]
+State = Literal["held", "settled", "refunded", "charged"]
+
+
+def matching_budgets(per_model: Mapping[str, int], model: str) -> list[tuple[str, int]]:
+    """Every (pattern, limit) whose glob matches `model` (the served name), in pattern order.
+
+    Each pattern is one budget shared by all the models it matches, and every
+    matching pattern applies (like the tenant budget applies beside them).
+    """
+    return sorted((p, limit) for p, limit in per_model.items() if limit > 0 and fnmatch.fnmatchcase(model, p))
+
+
+class Reservation:
+    """One request's tokens, held from admission until `finish` (or settle/refund/charge_reserved).
+
+    The first of those calls decides; every later call is a no-op, so the
+    end-of-stream path, an error path and a retry report may all call it.
+    """
+
+    __slots__ = ("_budgets", "_entry_id", "_keys", "_redis", "request_id", "cost", "headers", "state", "charged")
+
+    def __init__(
+        self,
+        budgets: TokenBudgets | None,
+        request_id: str,
+        entry_id: str,
+        cost: int,
+        keys: list[tuple[str, float]],
+        redis: RedisTokenWindow | None,
+        headers: Mapping[str, str],
+    ) -> None:
+        self._budgets = budgets
+        self._entry_id = entry_id
+        self._keys = keys
+        self._redis = redis  # the shared window that holds it, if any
+        self.request_id = request_id
+        self.cost = cost
+        self.headers: Mapping[str, str] = headers
+        self.state: State = "held"
+        self.charged: int | None = None  # tokens finally counted, once settled
+
+    @property
+    def done(self) -> bool:
+        return self.state != "held"
+
+    async def finish(self, *, reached_backend: bool, usage: Usage | None) -> None:
+        """The settlement rule, in one place:
+
+        - never reached a backend (rejected later, no endpoint, every attempt failed
+          before a response): refund, 0 tokens;
+        - the backend reported usage: charge exactly `usage.total` (lower or higher
+          than the reservation);
+        - reached a backend but usage is unknown (client gone mid-stream, stream cut,
+          backend sent none): charge the reservation, which is the request's ceiling.
+        """
+        if not reached_backend:
+            await self.refund()
+        elif usage is None:
+            await self.charge_reserved()
+        else:
+            await self.settle(usage.total)
+
+    async def settle(self, total: int) -> None:
+        await self._close("settled", max(total, 0))
+
+    async def refund(self) -> None:
+        await self._close("refunded", 0)
+
+    async def charge_reserved(self) -> None:
+        await self._close("charged", self.cost)
+
+    async def _close(self, state: State, amount: int) -> None:
+        if self.state != "held":
+            return
+        # Decided before any await, so concurrent callers cannot both settle.
+        self.state = state
+        self.charged = amount
+        if self._budgets is not None:
+            await self._budgets._settle(self, amount)
+
+
+class _Throttle:
+    """True at most once per interval, so an outage logs a line, not a flood."""
+
+    def __init__(self, clock: Clock, interval_s: float) -> None:
+        self._clock = clock
+        self._interval_s = interval_s
+        self._last: float | None = None
+
+    def ready(self) -> bool:
+        now = self._clock.monotonic()
+        if self._last is not None and now - self._last < self._interval_s:
+            return False
+        self._last = now
+        return True
+
+
+class TokenBudgets:
+    def __init__(
+        self,
+        config: Config,
+        clock: Clock,
+        redis_client_factory: RedisClientFactory = make_redis_client,
+        *,
+        minute_seconds: float = MINUTE_SECONDS,
+        day_seconds: float = DAY_SECONDS,
+        redis_now_us: Callable[[], int] | None = None,
+        warn_interval_s: float = 10.0,
+    ) -> None:
+        self._clock = clock
+        self._redis_client_factory = redis_client_factory
+        self._minute = minute_seconds
+        self._day = day_seconds
+        self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
+        self._local = TokenWindow(clock)
+        self._limits = config.limits
+        self._redis = self._make_redis(config.limits)
+        self._held: dict[str, Reservation] = {}
+        self._retired: list[RedisTokenWindow] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tag = os.urandom(6).hex()
+        self._ids = itertools.count()
+        self._warn = _Throttle(clock, warn_interval_s)
+        # Plain counters; the caller may export them.
+        self.decisions: dict[str, int] = {"admitted": 0, "rate_limited": 0, "too_large": 0, "unavailable": 0}
+        self.redis_errors = 0
+        self.fail_open_passes = 0
+        self.settle_errors = 0
+
+    def held(self, request_id: str) -> Reservation | None:
+        return self._held.get(request_id)
+
+    async def reserve(self, tenant: TenantConfig, model: str, cost: int, request_id: str) -> Reservation:
+        """Reserve `cost` tokens in every budget the request is subject to, or raise.
+
+        `model` is the served name (what reaches the backend). A second call with
+        the same `request_id` while the first reservation is held returns it (a
+        reservation belongs to the request, not to an attempt). Raises
+        RateLimited (429) or Unavailable (503); nothing is held when it raises.
+        """
+        existing = self._held.get(request_id)
+        if existing is not None:
+            return existing
+        limits, labels = self._budgets(tenant, model)
+        if not limits:
+            return Reservation(None, request_id, "", cost, [], None, {})
+        cost = max(cost, 0)
+        for (_, limit, _w), label in zip(limits, labels, strict=True):
+            if cost > limit:
+                self.decisions["too_large"] += 1
+                raise RateLimited(
+                    f"Request too large for {label}: limit {limit}, requested {cost}. "
+                    "Reduce the prompt or max_tokens (max_completion_tokens).",
+                    code="tokens_request_too_large",
+                )
+        entry_id = f"{self._tag}:{next(self._ids):x}"
+        keys = [(key, window) for key, _, window in limits]
+        local = self._local.try_reserve_all(entry_id, cost, limits)
+        index = binding(local)
+        if not local[index].allowed:
+            raise self._rate_limited(labels[index], local[index], cost)
+        decision, holder = local[index], None
+        redis = self._redis
+        if redis is not None:
+            try:
+                shared = await redis.try_reserve_all(entry_id, cost, limits)
+            except RedisUnavailable as exc:
+                self.redis_errors += 1
+                if not self._limits.redis_fail_open:
+                    self._local.settle(entry_id, keys, 0)
+                    self._refund_later(redis, entry_id, keys)  # it may have counted before the timeout
+                    self.decisions["unavailable"] += 1
+                    if self._warn.ready():
+                        log.warning("Redis token budgets failed (%s); rejecting requests with 503", exc)
+                    raise Unavailable(
+                        "Rate limiting is unavailable right now, so the request was not admitted. Retry shortly.",
+                        code="rate_limiter_unavailable",
+                        headers={"Retry-After": "1"},
+                    ) from None
+                self.fail_open_passes += 1
+                if self._warn.ready():
+                    log.warning("Redis token budgets failed (%s); admitting on local budgets (fail open)", exc)
+            except BaseException:
+                self._local.settle(entry_id, keys, 0)
+                self._refund_later(redis, entry_id, keys)
+                raise
+            else:
+                index = binding(shared)
+                if not shared[index].allowed:
+                    self._local.settle(entry_id, keys, 0)
+                    raise self._rate_limited(labels[index], shared[index], cost)
+                decision, holder = shared[index], redis
+        self.decisions["admitted"] += 1
+        reservation = Reservation(
+            self, request_id, entry_id, cost, keys, holder, token_ratelimit_headers(decision)
+        )
+        self._held[request_id] = reservation
+        return reservation
+
+    def reconfigure(self, config: Config) -> None:
+        """New limits apply from the next reservation; held reservations settle where they were made."""
+        old, new = self._limits, config.limits
+        self._limits = new
+        if (old.redis_url, old.redis_timeout_ms) != (new.redis_url, new.redis_timeout_ms):
+            retired, self._redis = self._redis, self._make_redis(new)
+            if retired is not None:
+                self._retired.append(retired)
+                self._spawn(self._close_later(retired))
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=1.0)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        windows = [*self._retired, *([self._redis] if self._redis else [])]
+        self._retired.clear()
+        self._redis = None
+        for window in windows:
+            await window.close()
+
+    async def _settle(self, reservation: Reservation, amount: int) -> None:
+        self._held.pop(reservation.request_id, None)
+        self._local.settle(reservation._entry_id, reservation._keys, amount)
+        redis = reservation._redis
+        if redis is None:
+            return
+        # Its own task, so a caller cancelled mid-call (e.g. its stream ended) does not cut the settlement.
+        task = self._spawn(self._settle_shared(redis, reservation._entry_id, reservation._keys, amount))
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _settle_shared(
+        self, redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]], amount: int
+    ) -> None:
+        try:
+            await redis.settle(entry_id, keys, amount)
+        except RedisUnavailable as exc:
+            # The shared windows keep the reservation's amount: the request is charged its estimate.
+            self.settle_errors += 1
+            if self._warn.ready():
+                log.warning("Redis token settlement failed (%s); the reservation stands as charged", exc)
+
+    def _budgets(self, tenant: TenantConfig, model: str) -> tuple[list[BudgetLimit], list[str]]:
+        limits: list[BudgetLimit] = []
+        labels: list[str] = []
+        if tenant.tokens_per_minute > 0:
+            limits.append((budget_key(tenant.id, "minute"), tenant.tokens_per_minute, self._minute))
+            labels.append(f"tokens per minute for tenant {tenant.id}")
+        if tenant.tokens_per_day > 0:
+            limits.append((budget_key(tenant.id, "day"), tenant.tokens_per_day, self._day))
+            labels.append(f"tokens per day for tenant {tenant.id}")
+        for pattern, limit in matching_budgets(tenant.tokens_per_minute_per_model, model):
+            limits.append((budget_key(tenant.id, f"minute:model:{pattern}"), limit, self._minute))
+            labels.append(f"tokens per minute for tenant {tenant.id} on models {pattern}")
+        return limits, labels
+
+    def _rate_limited(self, label: str, decision: Decision, cost: int) -> RateLimited:
+        self.decisions["rate_limited"] += 1
+        used = decision.limit - decision.remaining
+        return RateLimited(
+            f"Rate limit reached for {label}: limit {decision.limit}, used {used}, requested {cost}. "
+            f"Try again in {format_duration(decision.retry_after_s)}.",
+            code="tokens_rate_limited",
+            headers=token_rejection_headers(decision),
+        )
+
+    def _refund_later(self, redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]]) -> None:
+        """Best effort: a reserve that timed out or was cancelled may still have been counted."""
+
+        async def refund() -> None:
+            try:
+                await redis.settle(entry_id, keys, 0)
+            except RedisUnavailable:
+                pass
+
+        self._spawn(refund())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return None
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _close_later(self, window: RedisTokenWindow) -> None:
+        await asyncio.sleep(window.timeout_s * 2 + 0.1)
+        self._retired.remove(window)
+        await asyncio.shield(window.close())
+
+    def _make_redis(self, limits: LimitsConfig) -> RedisTokenWindow | None:
+        if limits.redis_url is None:
+            return None
+        url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
+        return RedisTokenWindow(
+            lambda: self._redis_client_factory(url, timeout_s), timeout_s=timeout_s, now_us=self._redis_now_us
+        )
