@@ -672,12 +672,19 @@ class Counted:
     at: Endpoint
 
 
-def _moved(at: Endpoint, address: str) -> Endpoint:
-    """Where a request counted `at` is after a retry report naming `address` (a malformed one is ignored)."""
+def _moved(at: Endpoint, address: str, model: str | None) -> Endpoint:
+    """Where a request counted `at` is after a retry report naming `address` (a malformed one, or one
+    that is not an endpoint of the request's model, is ignored)."""
     try:
-        return Endpoint.parse(address)
+        target = Endpoint.parse(address)
     except ValueError:
         return at
+    return target if target in {Endpoint.parse(e) for e in ENDPOINTS.get(model or "", ())} else at
+
+
+def _model_serving(primary: Endpoint) -> str | None:
+    """The model whose endpoint a request was routed to (no endpoint serves two models here)."""
+    return next((m for m, eps in ENDPOINTS.items() if primary.address in eps), None)
 
 
 def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counted], key: Hashable) -> None:
@@ -688,7 +695,7 @@ def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counte
         assert flow.retried == retried  # not routed, or ended: nothing moves
         return
     where = counted[key]
-    where.at = _moved(where.at, address)
+    where.at = _moved(where.at, address, flow.model)
     assert flow.lease is not None and flow.lease.endpoint == where.at, (address, flow.lease)
     assert flow.retried or where.at == where.primary
     try:
@@ -701,6 +708,11 @@ def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counte
         # Envoy's reports spell addresses as the picker does (attempts.py); another spelling of the
         # primary may read as a retry.
         assert flow.retried == (where.at != where.primary), (address, flow.served_by)
+
+
+def _add_retry_targets(gw: Gateway, model: str, *addresses: str) -> None:
+    """Give `model` more endpoints after a pick, so that retry reports naming them are the model's own."""
+    gw.on_endpoints(model, tuple(Endpoint.parse(e) for e in [*ENDPOINTS[model], *addresses]))
 
 
 def assert_counts(gw: Gateway, counted: dict[Hashable, Counted]) -> None:
@@ -1081,7 +1093,7 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
                 assert not reached, f"a report for {request_id!r} reached {reached}"
                 return
             before = counted[target].at
-            counted[target].at = _moved(before, address)
+            counted[target].at = _moved(before, address, _model_serving(counted[target].primary))
             if counted[target].at == before:
                 assert not reached, "on_retry for a report that moved nothing"  # counted once, as a real move
                 return
@@ -1211,6 +1223,7 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()}"
             assert check_routed(_decoded(msg, {(ATTR, "request.id"): b"\xffid\xfe"}), resp) == "llama-70b"
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
+            _add_retry_targets(gw, "llama-70b", "10.0.0.9:8000")  # a lease only moves within its model
             servicer.retried("r-1", "10.0.0.9:8000")  # the id as sent was never read: no such request
             assert not reached and gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
             servicer.retried("\ufffdid\ufffd", "10.0.0.9:8000")
@@ -1247,6 +1260,7 @@ async def test_grpc_duplicate_request_ids() -> None:
                                           request_id="dup").SerializeToString())
                 assert (await call.read()).WhichOneof("response") == "request_body"
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 2
+            _add_retry_targets(gw, "llama-70b", "10.0.0.9:8000", "[::1]:8000")  # a lease only moves within its model
             servicer.retried("dup", "10.0.0.9:8000")
             second = reached[-1]
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1
@@ -1318,6 +1332,7 @@ async def test_a_malformed_retry_report_is_ignored(before: str | None, malformed
     flow = RequestFlow(gw)
     await flow.handle(body_msg(b'{"model":"llama-8b"}'))
     if before is not None:
+        _add_retry_targets(gw, "llama-8b", before)  # a lease only moves within its model
         flow.retried_on(before)
     served_by, retried = flow.served_by, flow.retried
     flow.retried_on(malformed)  # found by test_one_flow_any_messages
