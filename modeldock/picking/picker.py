@@ -111,6 +111,10 @@ class Picker:
         return self._scheduler.name
 
     @property
+    def fallbacks(self) -> int:
+        return self._fallbacks
+
+    @property
     def ledger(self) -> Ledger:
         return self._ledger
 

@@ -75,6 +75,21 @@ class Scheduler:
     def name(self) -> str:
         return self.policy.name
 
+    @property
+    def p2c_threshold(self) -> int:
+        return self._p2c_threshold
+
+    @property
+    def near_tie(self) -> float | None:
+        return self._near_tie
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Scorer name -> weight in use: the load scorers' normalised to a total of 1
+        (`default` only), the request scorers' beside them."""
+        load = getattr(self.policy, "scorers", [])
+        return {**{s.name: w for s, w in load}, **{s.name: w for s, w in self._request_scorers}}
+
     def request_scorer(self, name: str) -> RequestScorer | None:
         return next((s for s, _ in self._request_scorers if s.name == name), None)
 
