@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from modeldock.picking.registry import merged_weights
 from modeldock.types import Endpoint
 
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -103,6 +106,11 @@ class ModelConfig(_Strict):
         return self
 
     @property
+    def source(self) -> Literal["static", "kubernetes"]:
+        """Which discovery source publishes this model (discovery/sources.py)."""
+        return "static" if self.endpoints is not None else "kubernetes"
+
+    @property
     def upstream_name(self) -> str:
         return self.served_name or self.name
 
@@ -114,20 +122,14 @@ class ModelConfig(_Strict):
         return tuple(Endpoint.parse(item) for item in self.endpoints or ())
 
 
-class WeightsConfig(_Strict):
-    queue: Annotated[float, Field(ge=0)] = 0.4
-    kv: Annotated[float, Field(ge=0)] = 0.3
-    running: Annotated[float, Field(ge=0)] = 0.15
-    in_flight: Annotated[float, Field(ge=0)] = 0.15
-    # Prefix affinity, beside the load weights (normalised to a total of 1):
-    # score = (1 - p) * load + p * prefix_miss, p = prefix / (1 + prefix).
-    prefix: Annotated[float, Field(ge=0)] = 0.25
+def _weights(value: dict[str, float]) -> dict[str, float]:
+    """Scorer name -> weight, over the defaults; names and defaults come from the scorer registry
+    (modeldock/picking/registry.py), so an unknown name is an error naming the field."""
+    return merged_weights(value)
 
-    @model_validator(mode="after")
-    def _some_weight(self) -> WeightsConfig:
-        if self.queue + self.kv + self.running + self.in_flight <= 0:
-            raise ValueError("at least one weight must be above 0")
-        return self
+
+# `routing.weights`: every scorer's weight, the defaults filled in (see the picking registry).
+WeightsConfig = Annotated[dict[str, float], AfterValidator(_weights)]
 
 
 class SaturationConfig(_Strict):
@@ -147,7 +149,7 @@ class ScrapeConfig(_Strict):
 class RoutingConfig(_Strict):
     policy: Literal["default", "seed", "least_request", "round_robin"] = "default"
     fallbacks: Annotated[int, Field(ge=0, le=4)] = 2
-    weights: WeightsConfig = WeightsConfig()
+    weights: WeightsConfig = Field(default_factory=lambda: merged_weights())
     stale_after_seconds: Annotated[float, Field(gt=0)] = 2.0  # metrics samples older than this are not trusted
     stale_penalty: Annotated[float, Field(ge=0, le=1)] = 0.5
     p2c_threshold: Annotated[int, Field(ge=2)] = 32
@@ -245,7 +247,16 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError("\n".join(lines)) from None
 
 
-def load_config(path: str | Path) -> Config:
+def with_env_redis(config: Config, environ: Mapping[str, str]) -> Config:
+    """`$REDIS_URL` for the shared rate-limit windows when the config sets no `limits.redis_url`."""
+    url = environ.get("REDIS_URL")
+    if not url or config.limits.redis_url is not None:
+        return config
+    return config.model_copy(update={"limits": config.limits.model_copy(update={"redis_url": url})})
+
+
+def load_config(path: str | Path, *, environ: Mapping[str, str] | None = None) -> Config:
+    """The config file, with `$REDIS_URL` from `environ` (default: the process's) applied."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -257,4 +268,4 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: (top level): must be a mapping with `models` and `tenants`")
-    return parse_config(data, str(path))
+    return with_env_redis(parse_config(data, str(path)), os.environ if environ is None else environ)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -26,3 +27,14 @@ async def run_until_signalled(
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
     await stop()
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up out of the garbage collector's sight.
+
+    Imports leave ~65k tracked objects that live as long as the process; without this,
+    every full collection (~30 ms here) walks them all again and finds nothing.
+    Process-wide: call it where a service process is served, never in a library path.
+    """
+    gc.collect()
+    gc.freeze()

@@ -70,6 +70,8 @@ def watching_client(api_client: ApiClient) -> ApiClient:
 class KubernetesDiscovery:
     """Publishes the ready endpoints of every model that has a `kubernetes:` target."""
 
+    kind = "kubernetes"
+
     def __init__(
         self,
         models: list[ModelConfig],
@@ -86,6 +88,7 @@ class KubernetesDiscovery:
             if model.kubernetes is not None:
                 key = (model.kubernetes.namespace, model.kubernetes.service)
                 self._targets.setdefault(key, []).append((model.name, model.kubernetes.port))
+        self.models = frozenset(name for targets in self._targets.values() for name, _ in targets)
         self._store = store
         self._client = watching_client(api_client)
         self._api = DiscoveryV1Api(self._client)
@@ -98,6 +101,10 @@ class KubernetesDiscovery:
         self._published: dict[str, frozenset[Endpoint]] = {}
         self._threads: list[threading.Thread] = []
         self._active = False
+
+    @property
+    def settings(self) -> WatchSettings:
+        return self._settings
 
     @property
     def services(self) -> list[ServiceKey]:

@@ -7,7 +7,6 @@ and `SnapshotStore.confirm` on the event-loop thread. Readers take
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -42,7 +41,6 @@ class SnapshotStore:
         self._clock = clock
         self._current = Snapshot()
         self._listeners: list[Callable[[Snapshot], None]] = []
-        self.changed = asyncio.Event()  # set on every swap; readers clear it
 
     @property
     def current(self) -> Snapshot:
@@ -66,6 +64,5 @@ class SnapshotStore:
         models = dict(self._current.models)
         models[model] = entry
         self._current = Snapshot(MappingProxyType(models))
-        self.changed.set()
         for listener in self._listeners:
             listener(self._current)

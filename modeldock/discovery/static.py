@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 from pathlib import Path
 
 from modeldock.config import ConfigError, ModelConfig, load_config
 from modeldock.discovery.snapshot import SnapshotStore
+from modeldock.filewatch import FileWatch
 
 log = logging.getLogger("modeldock.discovery")
 
 
 class StaticDiscovery:
     """Publishes `endpoints:` lists. A file cannot go stale, so every poll confirms."""
+
+    kind = "static"
 
     def __init__(
         self,
@@ -26,39 +27,31 @@ class StaticDiscovery:
     ) -> None:
         self._path = Path(path)
         self._names = {m.name for m in models if m.endpoints is not None}
+        self.models = frozenset(self._names)
         self._store = store
-        self._poll = poll_interval
-        self._stamp: tuple[int, int] | None = None
         self._publish(models)
+        self._watch = FileWatch(self._path, self._reload, interval=poll_interval, on_poll=self._confirm)
 
     def _publish(self, models: list[ModelConfig]) -> None:
         for model in models:
             if model.name in self._names and model.endpoints is not None:
                 self._store.update(model.name, model.static_endpoints())
 
-    def _file_stamp(self) -> tuple[int, int] | None:
+    def _reload(self) -> None:
         try:
-            st = os.stat(self._path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size)
+            config = load_config(self._path)
+        except ConfigError as exc:
+            log.error("keeping the last good endpoints; %s", exc)
+            return
+        self._publish(config.models)
+        log.info("re-read static endpoints from %s", self._path)
 
-    def poll_once(self) -> None:
-        stamp = self._file_stamp()
-        if stamp is not None and stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                config = load_config(self._path)
-            except ConfigError as exc:
-                log.error("keeping the last good endpoints; %s", exc)
-            else:
-                self._publish(config.models)
-                log.info("re-read static endpoints from %s", self._path)
+    def _confirm(self) -> None:
         for name in self._names:
             self._store.confirm(name)
 
+    def poll_once(self) -> None:
+        self._watch.check()
+
     async def run(self) -> None:
-        self._stamp = self._file_stamp()
-        while True:
-            await asyncio.sleep(self._poll)
-            self.poll_once()
+        await self._watch.run()

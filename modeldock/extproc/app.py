@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -21,11 +20,10 @@ from modeldock.extproc.flow import RequestFlow
 from modeldock.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
+from modeldock.filewatch import FileWatch
 from modeldock.health import Health
-from modeldock.config import RoutingConfig
-from modeldock.picking import Picker
-from modeldock.process import run_until_signalled
-from modeldock.picking.saturation import Saturation
+from modeldock.picking.factory import build_picker
+from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.picking.scrape import Scraper
 from modeldock.xds.client import AdsClient
 from modeldock.xds.resources import cluster_name
@@ -77,22 +75,6 @@ class ExtProcMetrics:
         self.retries.inc()
 
 
-def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegistry | None) -> Picker:
-    sat = routing.saturation
-    return Picker(
-        clock,
-        fallbacks=routing.fallbacks,
-        policy=routing.policy,
-        weights=routing.weights.model_dump(exclude={"prefix"}),
-        prefix_weight=routing.weights.prefix,
-        stale_after=routing.stale_after_seconds,
-        stale_penalty=routing.stale_penalty,
-        p2c_threshold=routing.p2c_threshold,
-        saturation=Saturation(sat.max_waiting, sat.max_kv, sat.reject, sat.retry_after_seconds),
-        registry=registry,
-    )
-
-
 # Envoy sends the whole buffered body in one gRPC message, with the request attributes (method, path,
 # x-request-id, Authorization). Attributes are request headers, which Envoy caps at 60 KiB by default
 # (max_request_headers_kb), so 1 MiB covers them and the protobuf framing with room to spare.
@@ -104,28 +86,9 @@ def grpc_receive_limit(max_body_bytes: int) -> int:
     return max_body_bytes + RECEIVE_HEADROOM_BYTES
 
 
-def with_env_redis(config: Config) -> Config:
-    """Use $REDIS_URL for the shared rate-limit windows when the config sets no `limits.redis_url`."""
-    url = os.environ.get("REDIS_URL")
-    if not url or config.limits.redis_url is not None:
-        return config
-    return config.model_copy(update={"limits": config.limits.model_copy(update={"redis_url": url})})
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive after start-up out of the garbage collector's sight.
-
-    Imports leave ~65k tracked objects that live as long as the process; without this,
-    every full collection (~30 ms here) walks them all again and finds nothing.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 class ExtProcServer:
     def __init__(self, config: Config, options: ExtProcOptions, clock: Clock | None = None,
                  registry: CollectorRegistry | None = None) -> None:
-        config = with_env_redis(config)
         self.clock = clock or SystemClock()
         self.options = options
         self.registry = registry or CollectorRegistry()
@@ -161,8 +124,9 @@ class ExtProcServer:
         self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
         self.scraper.start()
         if self.options.config_path is not None:
-            self._tasks.append(asyncio.create_task(self._watch_config(self.options.config_path), name="reload"))
-        freeze_startup_objects()
+            path = self.options.config_path
+            watch = FileWatch(path, lambda: self._reload_config(path), interval=self.options.reload_interval)
+            self._tasks.append(asyncio.create_task(watch.run(), name="reload"))
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.receive_limit)])
         add_servicer(self.servicer, self._server)
         self.attempts.add_to(self._server)
@@ -180,35 +144,21 @@ class ExtProcServer:
         if not self._draining:
             await self.health.set_serving(True)
 
-    async def _watch_config(self, path: Path) -> None:
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = path.stat()  # follows the symlink swap of a mounted Secret/ConfigMap
-            except OSError:
-                return None
-            return (st.st_mtime_ns, st.st_size)
-
-        seen = stamp()
-        while True:
-            await asyncio.sleep(self.options.reload_interval)
-            now = stamp()
-            if now is None or now == seen:
-                continue
-            seen = now
-            try:
-                config = with_env_redis(load_config(path))
-            except ConfigError as exc:
-                log.error("config reload failed; keeping the last good config\n%s", exc)
-                continue
-            if [m.name for m in config.models] != [m.name for m in self.gateway.config.models]:
-                log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
-            if grpc_receive_limit(config.limits.max_body_bytes) > self.receive_limit:
-                log.warning("config reload: limits.max_body_bytes rose to %d; bodies above %d bytes need a "
-                            "restart of ext_proc (its gRPC receive limit) and of Envoy (its buffer limit, "
-                            "`modeldock envoy-config --max-body-bytes`)", config.limits.max_body_bytes,
-                            self.receive_limit - RECEIVE_HEADROOM_BYTES)
-            self.gateway.apply_config(config)
-            log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
+    def _reload_config(self, path: Path) -> None:
+        try:
+            config = load_config(path)  # $REDIS_URL applies as at start
+        except ConfigError as exc:
+            log.error("config reload failed; keeping the last good config\n%s", exc)
+            return
+        if [m.name for m in config.models] != [m.name for m in self.gateway.config.models]:
+            log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
+        if grpc_receive_limit(config.limits.max_body_bytes) > self.receive_limit:
+            log.warning("config reload: limits.max_body_bytes rose to %d; bodies above %d bytes need a "
+                        "restart of ext_proc (its gRPC receive limit) and of Envoy (its buffer limit, "
+                        "`modeldock envoy-config --max-body-bytes`)", config.limits.max_body_bytes,
+                        self.receive_limit - RECEIVE_HEADROOM_BYTES)
+        self.gateway.apply_config(config)
+        log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
 
     async def stop(self, grace: float = 10.0) -> None:
         self._draining = True
@@ -236,9 +186,13 @@ class ExtProcServer:
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:
     server = ExtProcServer(config, options)
 
+    async def start() -> None:
+        await server.start()
+        freeze_startup_objects()  # the service process only: never in a test process
+
     async def stop() -> None:
         log.info("ext_proc draining (up to %.0fs)", grace)
         await server.stop(grace)
 
-    await run_until_signalled(server.start, stop, registry=server.registry, host=options.metrics_host or options.host,
+    await run_until_signalled(start, stop, registry=server.registry, host=options.metrics_host or options.host,
                               metrics_port=metrics_port)

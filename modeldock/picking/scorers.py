@@ -1,4 +1,13 @@
-"""Scorers: each maps one endpoint's signals to [0, 1], where LOWER IS BETTER.
+"""Scorers: each maps one endpoint to [0, 1], where LOWER IS BETTER.
+
+Two shapes share one plugin method, `score(request, endpoints, signals)`:
+
+- load scorers (`SignalScorer`, `load = True`) read one endpoint's signals and
+  nothing else, so they are also callable as `scorer(signals)`; the `default`
+  policy sums them per endpoint and, for a stale sample, replaces them all with
+  the stale rule (policies.py);
+- request scorers (`load = False`, e.g. prefix affinity in affinity.py) see the
+  request too and may have no opinion on it (None).
 
 Counts are normalised with a saturating curve x / (x + half), which is 0 at
 idle, 0.5 at `half` and approaches 1 under any load. It needs no view of the
@@ -10,16 +19,40 @@ so a percentage is never added to a request count.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from modeldock.picking.signals import Signals
+from modeldock.types import Endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What a scorer may know about the request being placed."""
+
+    model: str
+    prefix_blocks: tuple[int, ...] = ()  # prefix.prompt_blocks of the prompt
 
 
 class Scorer(Protocol):
+    """A load scorer: one endpoint's signals -> [0, 1], lower is better."""
+
     name: str
 
     def __call__(self, s: Signals) -> float:
         """A value in [0, 1]; lower is better."""
+
+
+@runtime_checkable
+class RequestScorer(Protocol):
+    """A scorer that sees the request: one value per endpoint, or None for no opinion
+    on this request (its weight is then left out, so the others decide alone)."""
+
+    name: str
+    load: bool
+
+    def score(self, request: PickRequest, endpoints: Sequence[Endpoint],
+              signals: Sequence[Signals]) -> Sequence[float] | None: ...
 
 
 def saturating(x: float, half: float) -> float:
@@ -27,7 +60,21 @@ def saturating(x: float, half: float) -> float:
     return x / (x + half) if x > 0 else 0.0
 
 
-class QueueDepth:
+class SignalScorer:
+    """Base of the load scorers: `score` is `__call__` over each endpoint's signals."""
+
+    name = ""
+    load = True
+
+    def __call__(self, s: Signals) -> float:
+        raise NotImplementedError
+
+    def score(self, request: PickRequest, endpoints: Sequence[Endpoint],
+              signals: Sequence[Signals]) -> Sequence[float] | None:
+        return [self(s) for s in signals]
+
+
+class QueueDepth(SignalScorer):
     """Requests waiting in the server's queue: the strongest sign of overload."""
 
     name = "queue"
@@ -39,7 +86,7 @@ class QueueDepth:
         return saturating(s.waiting, self.half)
 
 
-class Running:
+class Running(SignalScorer):
     """Sequences in the running batch: more means slower tokens for each."""
 
     name = "running"
@@ -51,7 +98,7 @@ class Running:
         return saturating(s.running, self.half)
 
 
-class KvUsage:
+class KvUsage(SignalScorer):
     """KV-cache fraction in use: near 1 the server starts preempting."""
 
     name = "kv"
@@ -60,7 +107,7 @@ class KvUsage:
         return min(1.0, max(0.0, s.kv))
 
 
-class InFlight:
+class InFlight(SignalScorer):
     """Requests this gateway has on the endpoint now: always current, never stale."""
 
     name = "in_flight"
@@ -72,17 +119,11 @@ class InFlight:
         return saturating(s.in_flight, self.half)
 
 
-DEFAULT_WEIGHTS: Mapping[str, float] = {"queue": 0.4, "kv": 0.3, "running": 0.15, "in_flight": 0.15}
-
-
 def default_scorers(weights: Mapping[str, float] | None = None) -> list[tuple[Scorer, float]]:
-    """The built-in scorers with `weights` (by scorer name) over the defaults."""
-    merged = {**DEFAULT_WEIGHTS, **(weights or {})}
-    unknown = set(merged) - set(DEFAULT_WEIGHTS)
-    if unknown:
-        raise ValueError(f"unknown scorer weights {sorted(unknown)}; known: {sorted(DEFAULT_WEIGHTS)}")
-    built: list[Scorer] = [QueueDepth(), KvUsage(), Running(), InFlight()]
-    return [(scorer, merged[scorer.name]) for scorer in built if merged[scorer.name] > 0]
+    """The registered load scorers with `weights` (by scorer name) over the defaults."""
+    from modeldock.picking.registry import build_scorers  # the registry imports this module
+
+    return build_scorers(weights).load
 
 
 def check_weights(scorers: Sequence[tuple[Scorer, float]]) -> None:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ModelConfig
 from modeldock.discovery.snapshot import SnapshotStore
-from modeldock.discovery.static import StaticDiscovery
+from modeldock.discovery.sources import DiscoverySource, sources_from_config
 from modeldock.health import Health
 from modeldock.process import run_until_signalled
 from modeldock.xds.builder import ResourceBuilder
@@ -77,6 +77,7 @@ class XdsServer:
         self.servicer = AdsServicer(self.cache, self.metrics, serving=False)
         self.health = Health("envoy.service.discovery.v3.AggregatedDiscoveryService")
         self._tasks: list[asyncio.Task[None]] = []
+        self.sources: list[DiscoverySource] = []  # made at start (a Kubernetes client reads its kubeconfig)
         self._server: grpc.aio.Server | None = None
         self._stale: frozenset[str] = frozenset()
         self.bound_port = 0
@@ -112,19 +113,11 @@ class XdsServer:
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
         log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
-        static = StaticDiscovery(self.options.config_path, self.config.models, self.store)
-        self._tasks.append(asyncio.create_task(static.run(), name="static-discovery"))
-        kube_models = [m for m in self.config.models if m.kubernetes is not None]
-        if kube_models:
-            from modeldock.discovery.kubernetes import KubernetesDiscovery, load_api_client
-
-            # A quiet, healthy Service is confirmed when its watch times out cleanly;
-            # renew it well within the staleness cutoff.
-            stale_after = self.config.discovery.stale_after_seconds
-            kube = KubernetesDiscovery(kube_models, self.store, load_api_client(self.options.kubeconfig),
-                                       watch_timeout_seconds=max(1, int(stale_after / 3)))
-            self._tasks.append(asyncio.create_task(kube.run(), name="kubernetes-discovery"))
-        await self._initial_sync(kube_models)
+        self.sources = sources_from_config(self.config, self.store, config_path=self.options.config_path,
+                                           kubeconfig=self.options.kubeconfig)
+        for source in self.sources:
+            self._tasks.append(asyncio.create_task(source.run(), name=f"{source.kind}-discovery"))
+        await self._initial_sync([m for m in self.config.models if m.source == "kubernetes"])
         self.rebuild()
         self.store.subscribe(lambda _snapshot: self._schedule_rebuild())
         self._tasks.append(asyncio.create_task(self._tick(), name="staleness"))

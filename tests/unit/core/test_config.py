@@ -58,3 +58,15 @@ def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
 
 def test_hash_key_is_sha256() -> None:
     assert hash_key("abc") == "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_redis_url_from_the_environment_only_when_the_file_sets_none(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("models: [{name: m, endpoints: ['10.0.0.1:8000']}]\n")
+    own = tmp_path / "own.yaml"
+    own.write_text("models: [{name: m, endpoints: ['10.0.0.1:8000']}]\nlimits: {redis_url: 'redis://127.0.0.1:1/0'}\n")
+    env = {"REDIS_URL": "redis://127.0.0.1:2/0"}
+    assert load_config(plain, environ=env).limits.redis_url == "redis://127.0.0.1:2/0"
+    assert load_config(own, environ=env).limits.redis_url == "redis://127.0.0.1:1/0"
+    assert load_config(plain, environ={}).limits.redis_url is None
+    assert parse_config({"models": [{"name": "m", "endpoints": ["10.0.0.1:8000"]}]}).limits.redis_url is None

@@ -243,12 +243,19 @@ class Counted:
     at: Endpoint
 
 
-def moved(at: Endpoint, address: str) -> Endpoint:
-    """Where a request counted `at` is after a retry report naming `address` (a malformed one is ignored)."""
+def moved(at: Endpoint, address: str, model: str | None) -> Endpoint:
+    """Where a request counted `at` is after a retry report naming `address` (a malformed one, or one
+    that is not an endpoint of the request's model, is ignored)."""
     try:
-        return Endpoint.parse(address)
+        target = Endpoint.parse(address)
     except ValueError:
         return at
+    return target if target in {Endpoint.parse(e) for e in ENDPOINTS.get(model or "", ())} else at
+
+
+def model_serving(primary: Endpoint) -> str | None:
+    """The model whose endpoint a request was routed to (no endpoint serves two models here)."""
+    return next((m for m, eps in ENDPOINTS.items() if primary.address in eps), None)
 
 
 def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counted], key: Hashable) -> None:
@@ -259,7 +266,7 @@ def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counte
         assert flow.retried == retried  # not routed, or ended: nothing moves
         return
     where = counted[key]
-    where.at = moved(where.at, address)
+    where.at = moved(where.at, address, flow.model)
     assert flow.lease is not None and flow.lease.endpoint == where.at, (address, flow.lease)
     assert flow.retried or where.at == where.primary
     try:
@@ -272,6 +279,11 @@ def report_retry(flow: RequestFlow, address: str, counted: dict[Hashable, Counte
         # Envoy's reports spell addresses as the picker does (attempts.py); another spelling of the
         # primary may read as a retry.
         assert flow.retried == (where.at != where.primary), (address, flow.served_by)
+
+
+def add_retry_targets(gw: Gateway, model: str, *addresses: str) -> None:
+    """Give `model` more endpoints after a pick, so that retry reports naming them are the model's own."""
+    gw.on_endpoints(model, tuple(Endpoint.parse(e) for e in [*ENDPOINTS[model], *addresses]))
 
 
 def assert_counts(gw: Gateway, counted: dict[Hashable, Counted]) -> None:

@@ -44,6 +44,8 @@ from tests.unit.extproc.flow_fuzz_invariants import (
     check_response,
     check_routed,
     keys_only_in_authorization,
+    add_retry_targets,
+    model_serving,
     moved,
     primary_of,
     request_id_of,
@@ -123,7 +125,7 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
                 assert not reached, f"a report for {request_id!r} reached {reached}"
                 return
             before = counted[target].at
-            counted[target].at = moved(before, address)
+            counted[target].at = moved(before, address, model_serving(counted[target].primary))
             if counted[target].at == before:
                 assert not reached, "on_retry for a report that moved nothing"  # counted once, as a real move
                 return
@@ -253,6 +255,7 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()}"
             assert check_routed(decoded(msg, {(ATTR, "request.id"): b"\xffid\xfe"}), resp) == "llama-70b"
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
+            add_retry_targets(gw, "llama-70b", "10.0.0.9:8000")  # a lease only moves within its model
             servicer.retried("r-1", "10.0.0.9:8000")  # the id as sent was never read: no such request
             assert not reached and gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
             servicer.retried("\ufffdid\ufffd", "10.0.0.9:8000")
@@ -289,6 +292,7 @@ async def test_grpc_duplicate_request_ids() -> None:
                                           request_id="dup").SerializeToString())
                 assert (await call.read()).WhichOneof("response") == "request_body"
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 2
+            add_retry_targets(gw, "llama-70b", "10.0.0.9:8000", "[::1]:8000")  # a lease only moves within its model
             servicer.retried("dup", "10.0.0.9:8000")
             second = reached[-1]
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1

@@ -43,13 +43,20 @@ def test_move_and_release(make_picker: MakePicker) -> None:
     assert picker.total_in_flight() == 0 and picker.in_flight(b) == 0
 
 
-def test_moving_to_an_unknown_endpoint_is_counted_then_forgotten(make_picker: MakePicker) -> None:
+def test_moving_to_an_address_outside_the_model_is_refused(make_picker: MakePicker) -> None:
     picker = make_picker()
-    (a,) = endpoints(1)
-    picker.set_endpoints("m", [a])
+    a, b, other = endpoints(3)
+    picker.set_endpoints("m", [a, b])
+    picker.set_endpoints("n", [other])
     lease = picker.pick("m").lease
-    lease.move_to("[2001:db8::1]:9000")
-    assert picker.total_in_flight() == 1 and picker.in_flight(a) == 0
+    counted = lease.endpoint
+    for address in ("[2001:db8::1]:9000", other.address):  # unknown, or another model's endpoint
+        assert lease.move_to(address) is False
+        assert lease.endpoint == counted and picker.in_flight(counted) == 1 and picker.total_in_flight() == 1
+    assert picker.in_flight(other) == 0
+    moved_to = b if counted == a else a
+    assert lease.move_to(moved_to.address) is True  # the model's own endpoint still moves
+    assert picker.in_flight(moved_to) == 1 and picker.in_flight(counted) == 0
     lease.release()
     assert picker.total_in_flight() == 0
 

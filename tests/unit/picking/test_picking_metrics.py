@@ -6,7 +6,7 @@ import time
 
 import pytest
 from picking_helpers import endpoints, observe
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited, Unavailable
@@ -56,7 +56,18 @@ def test_pickers_use_their_own_registries(clock: FakeClock) -> None:
     first, second = CollectorRegistry(), CollectorRegistry()
     Picker(clock, registry=first)
     Picker(clock, registry=second, policy="round_robin")  # no clash with the first, nor the global one
-    Picker(clock)  # no registry: no metrics at all
+    before = {name for c in list(REGISTRY._collector_to_names) for name in REGISTRY._collector_to_names[c]}
+    bare = Picker(clock)  # no registry: no metrics at all
+    after = {name for c in list(REGISTRY._collector_to_names) for name in REGISTRY._collector_to_names[c]}
+    assert after == before and not any(name.startswith("modeldock_picker") for name in after)
+    assert not bare._metrics.enabled
+    bare.set_endpoints("m", endpoints(1))
+    bare.pick("m")  # counting into nothing works, and still registers nothing
+    assert b"modeldock_picker" not in generate_latest(REGISTRY)
+    for registry in (first, second):  # each picker's metrics went to its own registry only
+        assert registry.get_sample_value("modeldock_picker_decisions_total",
+                                         {"policy": "round_robin" if registry is second else "default",
+                                          "outcome": "picked"}) == 0
 
 
 def test_round_robin_exports_no_score(clock: FakeClock) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeldock.picking import Sample, parse_metrics
-from modeldock.picking.bench import vllm_metrics_page
+from tests.support.vllm_page import vllm_metrics_page
 
 MODEL = "/models/meta-llama/Llama-3.3-70B-Instruct"
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from modeldock.clock import SystemClock
 from modeldock.types import Endpoint
 from modeldock.picking import Picker, Scraper
-from modeldock.picking.bench import vllm_metrics_page
+from tests.support.vllm_page import vllm_metrics_page
 
 MODEL = "/models/meta-llama/Llama-3.3-70B-Instruct"
 UNSET = Endpoint("127.0.0.1", 1)

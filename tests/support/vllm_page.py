@@ -1,21 +1,14 @@
-"""A realistic vLLM /metrics page and timers for the parser and the picker.
+"""A realistic vLLM /metrics page (~100 KB, nearly all histogram buckets).
 
-`python -m modeldock.picking.bench` prints µs per parsed page and per pick.
-Tests use `vllm_metrics_page` as their fixture, so the page stays honest.
+The parser and scraper tests use `vllm_metrics_page` as their fixture, and
+benchmarks/picking.py times the parser on it, so the page stays honest.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from modeldock.clock import SystemClock
-from modeldock.types import Endpoint
-
-if TYPE_CHECKING:
-    from modeldock.picking.picker import Lease
 
 # Bucket edges as vLLM (v1 engine, prometheus_client) exports them.
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
@@ -183,56 +176,3 @@ def vllm_metrics_page(
             'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
             'gpu_memory_utilization="0.9",num_gpu_blocks="27000",swap_space="4"} 1.0']
     return "\n".join(out) + "\n"
-
-
-def time_parse(text: str | None = None, model: str = "/models/meta-llama/Llama-3.3-70B-Instruct",
-               rounds: int = 2000) -> float:
-    """Mean µs for one `parse_metrics` call on `text` (default: the fixture page)."""
-    from modeldock.picking.parse import parse_metrics
-
-    page = text if text is not None else vllm_metrics_page(model)
-    parse_metrics(page, model)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        parse_metrics(page, model)
-    return (time.perf_counter() - start) / rounds * 1e6
-
-
-def time_pick(endpoints: int = 8, policy: str = "default", rounds: int = 20000, metrics: bool = True) -> float:
-    """Mean µs for one pick plus one release over `endpoints` endpoints with
-    fresh samples, with metrics exported to a private registry when `metrics`."""
-    from prometheus_client import CollectorRegistry
-
-    from modeldock.picking.picker import Picker
-    from modeldock.picking.signals import Sample
-
-    clock = SystemClock()
-    registry = CollectorRegistry() if metrics else None
-    picker = Picker(clock, policy=policy, rng=random.Random(1), registry=registry)
-    eps = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(endpoints)]
-    picker.set_endpoints("m", eps)
-    for i, ep in enumerate(eps):
-        picker.observe(ep, Sample(waiting=i % 3, running=10 + i, kv=0.1 * (i % 5)), clock.monotonic())
-    leases: list[Lease] = []
-    start = time.perf_counter()
-    for _ in range(rounds):
-        leases.append(picker.pick("m").lease)
-        if len(leases) > 64:  # keep in-flight realistic: release the oldest
-            leases.pop(0).release()
-    elapsed = time.perf_counter() - start
-    return elapsed / rounds * 1e6
-
-
-def main() -> None:
-    page = vllm_metrics_page()
-    print(f"page: {len(page.encode()) / 1024:.1f} KiB, {page.count(chr(10))} lines")
-    print(f"parse_metrics: {time_parse(page):.1f} µs/page")
-    for policy in ("default", "seed", "least_request", "round_robin"):
-        for n in (8, 64):
-            with_metrics = time_pick(n, policy)
-            bare = time_pick(n, policy, metrics=False)
-            print(f"pick+release {policy:>13} n={n:<3}: {with_metrics:5.2f} µs ({bare:5.2f} µs without metrics)")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,171 @@
+"""The ledger: each model's endpoints, and per endpoint its requests in flight and last load sample.
+
+Only the ledger changes counts: `claim` makes a `Lease`, and a lease moves or
+releases through the ledger's public methods. Everything runs synchronously on
+the event loop, so a pick's read-score-claim happens with no await in between.
+
+Per-endpoint state lives in `signals.Load`. Committed tokens (for a queue and
+token-load scoring) go beside the request count there: `claim` would take the
+request's token estimate, the `Lease` keep it, `Load.add/remove` sum it and
+`Signals` carry it to the scorers; no other part of picking needs to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from modeldock.clock import Clock
+from modeldock.picking.signals import Load, Sample, Signals
+from modeldock.types import Endpoint
+
+NO_LOAD = Load()  # read-only stand-in for endpoints never counted or sampled
+
+
+class Lease:
+    """One request's claim on an endpoint of a model; released exactly once."""
+
+    __slots__ = ("_ledger", "_seq", "endpoint", "model", "released")
+
+    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int) -> None:
+        self._ledger = ledger
+        self.model = model
+        self.endpoint = endpoint
+        self.released = False
+        self._seq = seq  # the ledger's sequence number for this claim
+
+    def move_to(self, address: str) -> bool:
+        """Envoy reported that another endpoint served the request (after a retry).
+        False when nothing moved: released, not an endpoint of this model now, or
+        the one counted already."""
+        if self.released:
+            return False
+        try:
+            target = Endpoint.parse(address)
+        except ValueError:
+            return False
+        if target == self.endpoint or not self._ledger.serves(self.model, target):
+            return False
+        self._seq = self._ledger.move(self.endpoint, self._seq, target)
+        self.endpoint = target
+        return True
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._ledger.drop(self.endpoint, self._seq)
+
+
+class Ledger:
+    """Owns endpoints per model, their loads and samples, and every claim on them."""
+
+    def __init__(self, clock: Clock, stale_after: float = 2.0) -> None:
+        if stale_after <= 0:
+            raise ValueError("stale_after must be > 0")
+        self._clock = clock
+        self.stale_after = stale_after
+        self._seq = 0  # claims so far: every claim's sequence number
+        self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self._members: dict[str, frozenset[Endpoint]] = {}
+        self._served: dict[str, str] = {}
+        self.live: frozenset[Endpoint] = frozenset()
+        self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
+
+    # -- endpoints -------------------------------------------------------
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None) -> frozenset[Endpoint]:
+        """Replace a model's candidates; the endpoints no model lists any more."""
+        self._endpoints[model] = tuple(dict.fromkeys(endpoints))
+        self._members[model] = frozenset(self._endpoints[model])
+        self._served[model] = served_name or model
+        before = self.live
+        self.live = frozenset(ep for eps in self._endpoints.values() for ep in eps)
+        for ep in [ep for ep, load in self.loads.items() if ep not in self.live and load.in_flight == 0]:
+            del self.loads[ep]
+        return before - self.live
+
+    def endpoints(self, model: str) -> tuple[Endpoint, ...]:
+        return self._endpoints.get(model, ())
+
+    def serves(self, model: str, endpoint: Endpoint) -> bool:
+        return endpoint in self._members.get(model, ())
+
+    def scrape_targets(self) -> dict[Endpoint, str | None]:
+        """Every current endpoint and the model name to read from its metrics (None: read
+        whole, for an endpoint listed under several models: their load is shared)."""
+        targets: dict[Endpoint, str | None] = {}
+        for model, eps in self._endpoints.items():
+            served = self._served[model]
+            for ep in eps:
+                if ep in targets and targets[ep] != served:
+                    targets[ep] = None
+                else:
+                    targets.setdefault(ep, served)
+        return targets
+
+    # -- samples ---------------------------------------------------------
+
+    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None) -> None:
+        load = self.loads.get(endpoint)
+        if load is None:
+            if endpoint not in self.live:
+                return  # left the snapshot while it was being scraped
+            load = self.loads[endpoint] = Load()
+        if taken_at < load.taken_at:
+            return  # an older result than the one we hold
+        load.sample = sample
+        load.taken_at = taken_at
+        load.rebase(self._seq, in_flight_at)
+        load.failures = 0
+
+    def observe_failure(self, endpoint: Endpoint) -> None:
+        load = self.loads.get(endpoint)
+        if load is None:
+            if endpoint not in self.live:
+                return
+            load = self.loads[endpoint] = Load()
+        load.failures += 1
+
+    def load(self, endpoint: Endpoint) -> Load:
+        """The endpoint's state (a shared empty one when none is held): read only."""
+        return self.loads.get(endpoint, NO_LOAD)
+
+    def signals(self, endpoint: Endpoint, now: float | None = None) -> Signals:
+        now = self._clock.monotonic() if now is None else now
+        return self.loads.get(endpoint, NO_LOAD).signals(now, self.stale_after)
+
+    # -- claims ----------------------------------------------------------
+
+    def claim(self, model: str, endpoint: Endpoint) -> Lease:
+        """Count one request on `endpoint` for `model`."""
+        return Lease(self, model, endpoint, self._add(endpoint))
+
+    def move(self, endpoint: Endpoint, seq: int, target: Endpoint) -> int:
+        """Move a claim; the new claim's sequence number (new to `target`: counted like a pick there)."""
+        self.drop(endpoint, seq)
+        return self._add(target)
+
+    def drop(self, endpoint: Endpoint, seq: int) -> None:
+        load = self.loads.get(endpoint)
+        if load is None:
+            return
+        load.remove(seq)
+        if load.in_flight == 0 and endpoint not in self.live:
+            del self.loads[endpoint]  # gone from the snapshot and nothing left to count
+
+    def _add(self, endpoint: Endpoint) -> int:
+        load = self.loads.get(endpoint)
+        if load is None:
+            load = self.loads[endpoint] = Load()
+        self._seq += 1
+        load.add(self._seq)
+        return self._seq
+
+    def in_flight(self, endpoint: Endpoint) -> int:
+        load = self.loads.get(endpoint)
+        return load.in_flight if load is not None else 0
+
+    def total_in_flight(self) -> int:
+        return sum(load.in_flight for load in self.loads.values())
+
+    def tracked(self) -> Mapping[Endpoint, Load]:
+        return self.loads
