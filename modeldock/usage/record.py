@@ -88,8 +88,9 @@ class UsageRecord:
         }
 
     def to_json(self) -> str:
-        """One line, no trailing newline. json escapes control characters, so a value never splits a line."""
-        return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+        """One ASCII line, no trailing newline: every control or non-ASCII character (U+0085, U+2028
+        included) is escaped, so no value (a client's x-request-id) can split a line for any reader."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> UsageRecord:

@@ -86,6 +86,11 @@ class FileSink:
             self._thread = threading.Thread(target=self._run, name="usage-fsync", daemon=True)
             self._thread.start()
 
+    @property
+    def synced_records(self) -> int:
+        """Records written so far that an fsync has covered."""
+        return self._synced
+
     # -- event loop side ------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
