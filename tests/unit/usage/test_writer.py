@@ -30,7 +30,7 @@ def config(tmp_path: Path, **overrides: object) -> UsageConfig:
 
 def lines_of(path: Path) -> list[dict[str, object]]:
     raw = path.read_bytes()
-    assert raw.endswith(b"\n"), f"{path} ends mid-line"
+    assert not raw or raw.endswith(b"\n"), f"{path} ends mid-line"  # empty: killed just after a rotation
     return [json.loads(line) for line in raw.splitlines()]
 
 
