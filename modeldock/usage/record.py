@@ -25,6 +25,10 @@ class RecordError(ValueError):
     """A line that is not a usage record this version can read."""
 
 
+class UnsupportedVersion(RecordError):
+    """A record of another format version."""
+
+
 def new_request_id() -> str:
     """A gateway-side request id (the client cannot choose it, unlike x-request-id)."""
     return uuid.uuid4().hex
@@ -95,7 +99,8 @@ class UsageRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> UsageRecord:
         if data.get("v") != FORMAT_VERSION:
-            raise RecordError(f"unsupported usage record version {data.get('v')!r} (this reader knows {FORMAT_VERSION})")
+            raise UnsupportedVersion(
+                f"unsupported usage record version {data.get('v')!r} (this reader knows {FORMAT_VERSION})")
         try:
             ts = data["ts"] if "ts" in data else parse_time(str(data["time"]))
             source = str(data["token_source"])

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from modeldock.usage.record import RecordError, UsageRecord, parse_time, rfc3339
+from modeldock.usage.record import RecordError, UnsupportedVersion, UsageRecord, parse_time, rfc3339
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -78,7 +78,7 @@ def read_records(paths: Iterable[Path], stats: ReadStats | None = None) -> Itera
                 try:
                     record = UsageRecord.from_json(line)
                 except RecordError as exc:
-                    if str(exc).startswith("unsupported usage record version"):
+                    if isinstance(exc, UnsupportedVersion):
                         stats.unsupported += 1
                     else:
                         stats.unreadable += 1
@@ -163,7 +163,8 @@ def format_table(summary: Summary) -> str:
     keys = len(_keys(summary))
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < keys else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        padded = (c.ljust(w) if i < keys else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(padded).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     span = f"from {_when(summary.since, '(start)')} to {_when(summary.until, '(end)')} (UTC, end excluded)"
@@ -176,7 +177,7 @@ def _when(epoch: float | None, unbounded: str) -> str:
 
 def format_json(summary: Summary, stats: ReadStats | None = None) -> str:
     def row(key: tuple[str, str], totals: Totals) -> dict[str, object]:
-        out: dict[str, object] = dict(zip(_keys(summary), _key_values(summary, key)))
+        out: dict[str, object] = dict(zip(_keys(summary), _key_values(summary, key), strict=True))
         out.update(asdict(totals), total_tokens=totals.total_tokens)
         return out
 

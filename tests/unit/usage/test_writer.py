@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from usage_helpers import BASE_TS, record
+from usage_helpers import record
 
 from modeldock.clock import FakeClock
 from modeldock.usage import FileSink, StdoutSink, UsageConfig, UsageLog, UsageSinkError
