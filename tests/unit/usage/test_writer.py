@@ -233,3 +233,31 @@ def test_sigkill_loses_no_answered_record(tmp_path: Path, limit: int) -> None:
     if limit:
         assert len(ids) == limit
     assert len(os.listdir(tmp_path)) > 2  # the kill test crossed rotations
+
+
+def test_a_file_left_from_an_earlier_day_is_rotated_by_the_first_record(tmp_path: Path) -> None:
+    clock = FakeClock()
+    active = tmp_path / "usage.gw-1.jsonl"
+    active.write_text(record(request_id="old", ts=clock.time() - 86400).to_json() + "\n")
+    os.utime(active, (clock.time() - 86400, clock.time() - 86400))
+    usage = UsageLog.open(config(tmp_path), clock, background=False)
+    usage.emit(record(request_id="new", ts=clock.time()))
+    usage.close()
+    rotated = [n for n in os.listdir(tmp_path) if n != active.name]
+    assert len(rotated) == 1
+    assert [r["request_id"] for r in lines_of(tmp_path / rotated[0])] == ["old"]
+    assert [r["request_id"] for r in lines_of(active)] == ["new"]
+
+
+def test_config_names_the_replica_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELDOCK_REPLICA", "gw.example:7f9c")
+    cfg = UsageConfig(path=tmp_path / "usage.jsonl")
+    assert cfg.replica_id() == "gw-example-7f9c"  # sanitised: no dots, so file names stay unambiguous
+    assert cfg.active_path() == tmp_path / "usage.gw-example-7f9c.jsonl"
+    assert config(tmp_path).active_path() == tmp_path / "usage.gw-1.jsonl"
+    with pytest.raises(ValueError, match="replica"):
+        config(tmp_path, replica="a.b")
+    with pytest.raises(ValueError, match="max_file_bytes"):
+        config(tmp_path, max_file_bytes=10)
+    with pytest.raises(ValueError, match="path"):
+        config(tmp_path, path="/")
