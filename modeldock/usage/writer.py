@@ -77,6 +77,7 @@ class FileSink:
         self._written = 0  # records written (event loop only)
         self._synced = 0  # records known fsynced (background thread only)
         self._broken_line = False
+        self._rotate_after = 0.0  # after a failed rotation, when to try again
         self._fd = self._open()
         self._size, self._day = self._current_state()
         self._wake = threading.Event()
@@ -96,9 +97,15 @@ class FileSink:
     def write(self, data: bytes) -> None:
         """Append one whole line. Raises OSError (disk full, I/O error); the record is then lost."""
         now = self._clock.time()
-        if self._size and (self._size + len(data) > self._config.max_file_bytes
-                           or (self._config.rotate_daily and int(now // DAY) != self._day)):
-            self._rotate(now)
+        if self._size and now >= self._rotate_after and (
+                self._size + len(data) > self._config.max_file_bytes
+                or (self._config.rotate_daily and int(now // DAY) != self._day)):
+            try:
+                self._rotate(now)
+            except OSError as exc:
+                # Keep appending to the current file rather than lose records; try again in a minute.
+                self._rotate_after = now + 60
+                log.error("usage: cannot rotate %s (records still go to it): %s", self.path, exc)
         elif not self._size:
             self._day = int(now // DAY)
         if self._broken_line:
@@ -123,7 +130,11 @@ class FileSink:
             bump += 1
             target = self.path.with_name(f"{self.path.stem}.{_stamp(now + bump * 1e-6)}{self.path.suffix}")
         os.rename(self.path, target)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError:
+            os.rename(target, self.path)  # the open fd still points at it: keep one active file
+            raise
         with self._lock:
             self._retired.append(self._fd)
             self._fd = fd

@@ -261,3 +261,29 @@ def test_config_names_the_replica_file(tmp_path: Path, monkeypatch: pytest.Monke
         config(tmp_path, max_file_bytes=10)
     with pytest.raises(ValueError, match="path"):
         config(tmp_path, path="/")
+
+
+def test_a_failed_rotation_keeps_appending_to_the_active_file(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    sink = FileSink(config(tmp_path, max_file_bytes=4096), clock, background=False)
+    line = (record(request_id="x" * 3000).to_json() + "\n").encode()
+    sink.write(line)
+    attempts: list[str] = []
+
+    def refuse(src: object, dst: object) -> None:
+        attempts.append(str(dst))
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "rename", refuse)  # a read-only directory, even for root
+    sink.write(line)
+    sink.write(line)  # no new attempt within a minute
+    monkeypatch.undo()
+    assert len(attempts) == 1
+    clock.advance(61)
+    sink.write(line)  # rotates now
+    sink.close()
+    active = tmp_path / "usage.gw-1.jsonl"
+    assert len(lines_of(active)) == 1
+    rotated = [n for n in os.listdir(tmp_path) if n != active.name]
+    assert len(rotated) == 1 and len(lines_of(tmp_path / rotated[0])) == 3
