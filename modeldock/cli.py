@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     cc.set_defaults(func=cmd_config_check)
 
     for name, module, text in (("sim", "modeldock.sim.cli", "run a simulated vLLM backend"),
-                               ("bench", "modeldock.bench.cli", "benchmark an OpenAI-compatible endpoint")):
+                               ("bench", "modeldock.bench.cli", "benchmark an OpenAI-compatible endpoint"),
+                               ("usage", "modeldock.usage.cli", "per-tenant usage totals from usage record files")):
         try:
             mod = __import__(module, fromlist=["add_arguments", "run"])
         except ImportError:
