@@ -196,23 +196,38 @@ def section_below(saved: dict[str, Any]) -> str:
         s = res[n]["below"]
         r, agg = s["run"], s["run"]["all"]
         ci = r["ttft_p95_ci"].get("main")
-        cpu_us = r["extproc_cpu_s"] / agg["offered"] * 1e6 if agg["offered"] else None
-        base_us = base["extproc_cpu_s"] / base["all"]["offered"] * 1e6 if base and base["all"]["offered"] else None
+        cpu_us, base_us = net_cpu_us(r), net_cpu_us(base) if base else None
         rows.append([f"`{n}`", f"{s['rate']:.1f}/s ({agg['offered']})", pct(agg["served_pct"]), errors(agg),
                      f"{ms(agg['ttft_p50'])} / {ms(agg['ttft_p95'])}", f"{ms(ci[0])}-{ms(ci[1])}" if ci else "-",
                      x(ratio(agg["ttft_p95"], base["all"]["ttft_p95"])) if base else "-",
-                     "-" if cpu_us is None else f"{cpu_us:.0f}", x(ratio(cpu_us, base_us)),
+                     "-" if cpu_us is None else f"{cpu_us:.0f}", gross_cpu(r), x(ratio(cpu_us, base_us)),
                      f"{r['preemptions']:.0f}", f"{r['load1']:.1f}"])
     return f"""
 ### 4. Below capacity: {saved['args']['below']:g}x capacity for {saved['args']['below_s']:g} s
 
 {table(["config", "offered", "served", "errors", "TTFT p50 / p95 ms", "p95 90% interval", "p95 vs noqueue",
-        "ext_proc CPU µs/request", "CPU vs noqueue", "preemptions", "load"], rows)}
+        "ext_proc CPU µs/request (net)", "idle CPU, % of a core", "net CPU vs noqueue", "preemptions", "load"], rows)}
 
 The 90% interval is a bootstrap of the p95 over this run's requests: two configs whose intervals overlap are equal
-within noise. ext_proc CPU is user + system time of the ext_proc process from /proc over the phase (10 ms clock
-ticks) divided by the requests offered; it includes its scraping of the backends' /metrics.
+within noise. ext_proc CPU is user + system time of the ext_proc process from /proc (10 ms clock ticks): over the
+phase, minus what it used per second while idle ({saved['args'].get('idle_s', 0):g} s just before: scraping the backends'
+/metrics, xDS) times the phase's length, divided by the requests offered. On a loaded 2-core machine this is
+noisy to some tens of percent; it is a ratio of two numbers measured minutes apart.
 """
+
+
+def net_cpu_us(r: dict[str, Any]) -> float | None:
+    """ext_proc CPU per request offered, idle CPU over the phase's length subtracted (µs)."""
+    n = r["all"]["offered"]
+    if not n:
+        return None
+    idle = (r.get("extproc_idle_cpu_per_s") or 0.0) * r["wall_s"]
+    return (r["extproc_cpu_s"] - idle) / n * 1e6
+
+
+def gross_cpu(r: dict[str, Any]) -> str:
+    idle = r.get("extproc_idle_cpu_per_s")
+    return "-" if idle is None else f"{idle * 100:.1f}%"
 
 
 def body(saved: dict[str, Any]) -> str:

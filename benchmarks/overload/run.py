@@ -98,11 +98,18 @@ async def _open_loop(url: str, plans: Sequence[tuple[Tenant, Sequence[Request]]]
     return [(t.id, r.timed) for (t, _), r in zip(plans, results, strict=True)]
 
 
-def phase(ctx: Ctx, name: str, plans: Sequence[tuple[Tenant, Sequence[Request]]]) -> dict[str, Any]:
+def phase(ctx: Ctx, name: str, plans: Sequence[tuple[Tenant, Sequence[Request]]],
+          idle_s: float = 0.0) -> dict[str, Any]:
     """Send the tenants' schedules open-loop, together; what came of every request, plus the
-    simulators' preemptions and ext_proc's CPU over the phase."""
+    simulators' preemptions and ext_proc's CPU over the phase. With `idle_s`, ext_proc's CPU is
+    first read over that many idle seconds (its scraping and xDS work), to subtract per second."""
     stack = ctx.stack
     wait_idle(stack, ctx.args.settle)
+    idle_rate = None
+    if idle_s > 0:
+        before = extproc_cpu(stack)
+        time.sleep(idle_s)
+        idle_rate = (extproc_cpu(stack) - before) / idle_s
     pre, cpu, began = preemptions(stack), extproc_cpu(stack), time.monotonic()
     sent = asyncio.run(_open_loop(stack.base_url, plans, ctx.args.timeout))
     wall = time.monotonic() - began
@@ -110,7 +117,7 @@ def phase(ctx: Ctx, name: str, plans: Sequence[tuple[Tenant, Sequence[Request]]]
     outcomes = [outcome(tenant, t) for tenant, timed in sent for t in timed]
     late = [t.late_s for _, timed in sent for t in timed]
     result = {
-        "name": name, "wall_s": wall, "preemptions": pre, "extproc_cpu_s": cpu,
+        "name": name, "wall_s": wall, "preemptions": pre, "extproc_cpu_s": cpu, "extproc_idle_cpu_per_s": idle_rate,
         "late_p99_s": nearest_rank(late, 99) if late else None, "load1": os.getloadavg()[0],
         "all": plan.aggregate(outcomes), "tenants": plan.by_tenant(outcomes),
         "ttft_p95_ci": {t: plan.bootstrap_p95([o.ttft for o in outcomes if o.tenant == t and o.ttft is not None])
@@ -208,7 +215,7 @@ def scenario_below(ctx: Ctx) -> dict[str, Any]:
     """One tenant at `--below` x capacity: TTFT must not change, and ext_proc's CPU per request."""
     rate = ctx.args.below * ctx.capacity.rate
     reqs = plan.arrivals(ctx.args.seed, "low", rate, ctx.args.below_s, ctx.mix)
-    return {"rate": rate, "run": phase(ctx, "below capacity", [(TENANT["main"], reqs)])}
+    return {"rate": rate, "run": phase(ctx, "below capacity", [(TENANT["main"], reqs)], idle_s=ctx.args.idle_s)}
 
 
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -245,7 +252,7 @@ def main() -> int:
     p.add_argument("--speed", type=float, default=1.0, help="simulator time factor of the normal backends")
     p.add_argument("--slow-factor", type=float, default=0.5, help="the last backend's speed relative to the others")
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--num-gpu-blocks", type=int, default=160, help="KV blocks of 16 tokens per backend")
+    p.add_argument("--num-gpu-blocks", type=int, default=112, help="KV blocks of 16 tokens per backend")
     p.add_argument("--long-fraction", type=float, default=0.2)
     p.add_argument("--short-tokens", type=int, default=32)
     p.add_argument("--long-tokens", type=int, default=256)
@@ -261,6 +268,7 @@ def main() -> int:
     p.add_argument("--noisy-s", type=float, default=15.0)
     p.add_argument("--priority-s", type=float, default=15.0)
     p.add_argument("--below-s", type=float, default=20.0)
+    p.add_argument("--idle-s", type=float, default=5.0, help="scenario 4: idle seconds for ext_proc's base CPU")
     p.add_argument("--settle", type=float, default=1.0, help="idle seconds before each phase")
     p.add_argument("--timeout", type=float, default=90.0, help="per request, seconds")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -295,8 +303,19 @@ def main() -> int:
     args.scenarios = args.scenarios.split(",")
     if args.quick:
         args.no_write = True
-        args.cap_duration, args.cap_warmup = 8.0, 3.0
-        args.overload_s, args.noisy_s, args.priority_s, args.below_s = 10.0, 6.0, 6.0, 8.0
+        args.cap_duration, args.cap_warmup, args.settle, args.idle_s = 7.0, 2.5, 0.6, 2.0
+        args.overload_s, args.noisy_s, args.priority_s, args.below_s = 8.0, 5.0, 5.0, 6.0
+        # A config that generates the same YAML as an earlier one would only measure noise.
+        seen: list[dict[str, Any]] = []
+        kept = []
+        for c in configs:
+            data = plan.gateway_config(c, plan.TENANTS, ["127.0.0.1:1"])
+            if data in seen:
+                print(f"--quick: `{c.name}` generates the same config as an earlier one; not run", flush=True)
+                continue
+            seen.append(data)
+            kept.append(c)
+        configs = kept
     mix = Mix(args.long_fraction, args.short_tokens, args.long_tokens)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="modeldock-overload-"))
     run_dir.mkdir(parents=True, exist_ok=True)
