@@ -25,9 +25,8 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any
