@@ -83,7 +83,21 @@ Percentiles are nearest rank. Each tenant has its own API key.
 **Capacity: {cap['rate']:.2f} requests/s**, {measured}
 
 {table(["config", "what", "config it adds", "tenant weight/class written"], rows)}
-"""
+{same_configs(saved)}"""
+
+
+def same_configs(saved: dict[str, Any]) -> str:
+    """Configs that generate the same YAML: their rows differ only by the machine's run-to-run noise."""
+    first: dict[str, str] = {}
+    notes = []
+    for c in saved["configs"]:
+        key = repr(c["yaml"]) + repr(c["tenant_fields"])
+        if key in first:
+            notes.append(f"`{c['name']}` generates exactly the same config as `{first[key]}`, so the difference "
+                         "between their rows below is this machine's run-to-run noise, not a config effect.")
+        else:
+            first[key] = c["name"]
+    return "\n" + "\n".join(notes) + "\n" if notes else ""
 
 
 def section_overload(saved: dict[str, Any]) -> str:
@@ -202,6 +216,10 @@ def section_below(saved: dict[str, Any]) -> str:
                      x(ratio(agg["ttft_p95"], base["all"]["ttft_p95"])) if base else "-",
                      "-" if cpu_us is None else f"{cpu_us:.0f}", gross_cpu(r), x(ratio(cpu_us, base_us)),
                      f"{r['preemptions']:.0f}", f"{r['load1']:.1f}"])
+    shed = [f"`{n}` refused {pct(res[n]['below']['run']['all']['r429_pct'])}" for n in names
+            if res[n]["below"]["run"]["all"]["r429"]]
+    shed_text = ("Below capacity, " + ", ".join(shed) + " of the requests with 429 (a config that sheds with room "
+                 "left in the pool).\n") if shed else ""
     return f"""
 ### 4. Below capacity: {saved['args']['below']:g}x capacity for {saved['args']['below_s']:g} s
 
@@ -213,7 +231,8 @@ within noise. ext_proc CPU is user + system time of the ext_proc process from /p
 phase, minus what it used per second while idle ({saved['args'].get('idle_s', 0):g} s just before: scraping the backends'
 /metrics, xDS) times the phase's length, divided by the requests offered. On a loaded 2-core machine this is
 noisy to some tens of percent; it is a ratio of two numbers measured minutes apart.
-"""
+
+{shed_text}"""
 
 
 def net_cpu_us(r: dict[str, Any]) -> float | None:
