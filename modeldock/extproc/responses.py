@@ -52,7 +52,8 @@ def models_response(names: list[str]) -> ep.ProcessingResponse:
 
 
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
-                       response_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
+                       response_headers: Mapping[str, str] | None = None, *, rid: str = "",
+                       tenant: str = "") -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
 
     With the header phase skipped, a body response cannot change request headers
@@ -60,6 +61,8 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
     take effect, so that the route is matched again with the metadata present.
     `response_headers` (the x-ratelimit-* set) and `model` are metadata too: the route
     adds the headers to the response, and Envoy's own error reply names the model.
+    `rid` (the gateway's key for the request) goes upstream as `x-modeldock-rid`, which is how
+    Envoy's retry log names the request; `tenant` is for Envoy's access log.
     """
     response = ep.ProcessingResponse()
     common = response.request_body.response
@@ -71,6 +74,10 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
     route["cluster"].string_value = cluster
     if model:
         route["model"].string_value = model
+    if rid:
+        route["rid"].string_value = rid
+    if tenant:
+        route["tenant"].string_value = tenant
     if response_headers:
         for key, value in response_headers.items():
             route[key].string_value = value

@@ -163,21 +163,36 @@ async def test_ext_proc_failing_is_a_json_503(rig: Rig) -> None:
 
 
 async def test_a_retry_is_reported_by_the_upstream_access_log(rig: Rig) -> None:
-    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[1]},127.0.0.1:{rig.ports[0]}")
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[1]},127.0.0.1:{rig.ports[0]}", rid="rid-first")
     assert (await rig.post()).status_code == 200
     await asyncio.sleep(0.1)
     assert rig.retries == []  # first attempts are not logged
     rig.upstream.servers[0].close()  # never connected to: the primary below refuses, Envoy retries
     await asyncio.sleep(0.05)
-    rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports))
-    assert (await rig.post()).status_code == 200
+    rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports), rid="rid-2")
+    assert (await rig.post(headers=[("authorization", "Bearer k"), ("x-request-id", "client-id")])).status_code == 200
     got = rig.upstream.received[-1]
     assert got.port == rig.ports[1] and got.headers["x-envoy-attempt-count"] == "2"
     for _ in range(100):
         if rig.retries:
             break
         await asyncio.sleep(0.01)
-    assert rig.retries == [(got.headers["x-request-id"], f"127.0.0.1:{rig.ports[1]}")]
+    # The entry names the request by ext_proc's key (modeldock:rid through the logged x-modeldock-rid header;
+    # an upstream log entry carries no dynamic metadata), not by the client's x-request-id.
+    assert rig.retries == [("rid-2", f"127.0.0.1:{rig.ports[1]}")]
+    assert got.headers["x-request-id"] == "client-id" and got.headers["x-modeldock-rid"] == "rid-2"
+
+
+async def test_the_rid_header_is_set_only_from_metadata(rig: Rig) -> None:
+    # A client cannot set it (the first filter drops x-modeldock-*), and no metadata adds no header.
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
+    r = await rig.post(headers=[("authorization", "Bearer k"), ("x-modeldock-rid", "forged")])
+    assert r.status_code == 200 and "x-modeldock-rid" not in rig.upstream.received[-1].headers
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}", rid="rid-3", tenant="acme")
+    r = await rig.post(headers=[("authorization", "Bearer k"), ("x-modeldock-rid", "forged")])
+    assert r.status_code == 200 and rig.upstream.received[-1].headers["x-modeldock-rid"] == "rid-3"
+    assert "tenant=acme " in (await rig.access_log(2))[-1]
+    assert "x-modeldock-rid" not in r.headers
 
 
 async def test_ratelimit_headers_come_from_the_route_metadata(rig: Rig) -> None:

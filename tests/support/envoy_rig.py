@@ -209,7 +209,7 @@ class Rig:
     upstream: Upstream
     ports: list[int]
     listen: int
-    retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (request id, endpoint)
+    retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (modeldock:rid, endpoint)
     log: Path  # Envoy's stdout and stderr: the access log
     admin: int
     server: grpc.aio.Server  # the scripted ext_proc's
@@ -234,8 +234,8 @@ class Rig:
         return await http(self.listen, method, path, pairs, body)
 
 
-def route(endpoints: str, cluster: str = cluster_name("m")) -> Answer:
-    return lambda _r: responses.route_request_body(cluster, endpoints, model="m")
+def route(endpoints: str, cluster: str = cluster_name("m"), *, rid: str = "", tenant: str = "") -> Answer:
+    return lambda _r: responses.route_request_body(cluster, endpoints, model="m", rid=rid, tenant=tenant)
 
 
 @asynccontextmanager
