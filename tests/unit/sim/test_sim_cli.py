@@ -10,6 +10,7 @@ import sys
 import time
 
 import aiohttp
+import pytest
 
 from modeldock.sim.cli import add_arguments, config_from_args, run
 
