@@ -111,7 +111,8 @@ class RequestFlow:
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
         return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
-                                            routed.route_metadata, rid=self.rid, tenant=routed.tenant.id)
+                                            routed.route_metadata, rid=self.rid, tenant=routed.tenant.id,
+                                            upstream_auth=routed.upstream_auth)
 
     def _logged(self, rejection: Rejection) -> Rejection:
         """A refusal of the protocol's own (the director logs the rest)."""

@@ -239,7 +239,9 @@ def route(endpoints: str, cluster: str = cluster_name("m"), *, rid: str = "", te
 
 
 @asynccontextmanager
-async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None) -> AsyncIterator[Rig]:
+async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None,
+                    edit: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[Rig]:
+    """`edit` may change the bootstrap (a dict) before Envoy starts, e.g. to add a test's access log."""
     extproc = ScriptedExtProc()
     server = grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(extproc.process)  # raw bytes both ways
@@ -256,7 +258,10 @@ async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None) -> A
         ports = await upstream.start(2)
         listen, admin = free_port(), free_port()
         path = tmp_path / "envoy.yaml"
-        path.write_text(json.dumps(bootstrap(listen, admin, extproc_port, ports, listener)))  # JSON is YAML
+        config = bootstrap(listen, admin, extproc_port, ports, listener)
+        if edit is not None:
+            edit(config)
+        path.write_text(json.dumps(config))  # JSON is YAML
         proc = await asyncio.create_subprocess_exec(
             envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning",
             "--file-flush-interval-msec", "20",  # the access log, at once
