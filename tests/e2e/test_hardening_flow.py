@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.support.stack import API_KEY, Stack, raw_request, running_stack, wait_until
+from tests.support.stack import API_KEY, Sim, Stack, raw_request, running_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -58,3 +60,62 @@ def test_a_body_with_two_models_is_refused_before_any_backend(stack: Stack) -> N
     reply = stack.openai().chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "x"}],
                                                    max_tokens=2)
     assert reply.choices[0].message.content
+
+
+def picker_in_flight(stack: Stack) -> dict[str, float]:
+    """modeldock_picker_in_flight by endpoint (summed over the models that share it), from ext_proc's metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.extproc_metrics_port}/metrics",  # noqa: S310
+                                  timeout=2).read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("modeldock_picker_in_flight{"):
+            labels, value = line.rsplit(" ", 1)
+            endpoint = labels.split('endpoint="', 1)[1].split('"', 1)[0]
+            found[endpoint] = found.get(endpoint, 0.0) + float(value)
+    return found
+
+
+def _slow(sim: Sim, ms: float) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{sim.url}/sim/slow", method="POST",  # noqa: S310
+                                                  data=json.dumps({"extra_step_ms": ms}).encode()), timeout=2).read()
+
+
+def test_requests_sharing_a_client_request_id_are_counted_apart(stack: Stack) -> None:
+    """The client chooses x-request-id; ext_proc keys its accounting on its own modeldock:rid. Streams that
+    share an id, the ones routed to a backend answering 503 retried onto the other, are each counted where they
+    run, and every count returns to 0."""
+    failing, healthy = stack.sims
+    retried_before = stack.metric("modeldock_retries_seen_total")
+    streams = []
+    try:
+        failing.fault("status_503")
+        for sim in stack.sims:
+            _slow(sim, 20)  # long streams: they stay open while the counts are read
+        client = stack.openai()
+        for n in range(1, 4):
+            stream = client.chat.completions.create(
+                model="demo-model", messages=[{"role": "user", "content": "x"}], max_tokens=500, stream=True,
+                extra_headers={"x-request-id": "shared-id"})
+            streams.append(stream)
+            next(iter(stream))  # served: the first chunk is in
+            # An endpoint that gave back its count (the failing one) is the picker's first choice next time,
+            # so the later streams are retried; every count follows its own stream.
+            wait_until(lambda n=n: picker_in_flight(stack) == {failing.address: 0, healthy.address: n}, 5,
+                       what=f"{n} streams counted on the healthy endpoint")
+        assert stack.metric("modeldock_retries_seen_total") > retried_before, "no stream was retried"
+        assert healthy.stats()["running"] == 3
+        streams.pop(0).close()
+        wait_until(lambda: picker_in_flight(stack) == {failing.address: 0, healthy.address: 2}, 5,
+                   what="the first stream's end releases its own count only")
+    finally:
+        for stream in streams:
+            stream.close()
+        failing.fault("none")
+        for sim in stack.sims:
+            _slow(sim, 0)
+    wait_until(lambda: set(picker_in_flight(stack).values()) == {0}, 5, what="every count back to 0")
+    # Envoy's access log names the tenant (modeldock:tenant) and keeps the client's id for correlation.
+    envoy_log = stack.run_dir / "envoy.log"
+    wait_until(lambda: envoy_log.read_text(errors="replace").count("id=shared-id") >= 3, 5, what="access log lines")
+    lines = [line for line in envoy_log.read_text(errors="replace").splitlines() if "id=shared-id" in line]
+    assert all(" tenant=acme " in line for line in lines), lines
