@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
-from tests.support.stack import API_KEY, Sim, Stack, raw_request, running_stack, wait_until
+from tests.support.stack import API_KEY, OTHER_KEY, Sim, Stack, raw_request, running_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -119,3 +121,69 @@ def test_requests_sharing_a_client_request_id_are_counted_apart(stack: Stack) ->
     wait_until(lambda: envoy_log.read_text(errors="replace").count("id=shared-id") >= 3, 5, what="access log lines")
     lines = [line for line in envoy_log.read_text(errors="replace").splitlines() if "id=shared-id" in line]
     assert all(" tenant=acme " in line for line in lines), lines
+
+
+BACKEND_KEY = "sk-backend-9f3e1c7a55"
+ROTATED_KEY = "sk-rotated-4b2d8e6f11"
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
+    """Backends started like `vllm serve --api-key`; demo-model names its credential file."""
+    secrets = tmp_path_factory.mktemp("secrets")  # outside the stack's run dir, whose files are grepped
+    key_file = secrets / "vllm-key"
+    key_file.write_text(BACKEND_KEY + "\n")
+
+    def edit(data: dict[str, Any], _sims: object) -> None:
+        data["models"][0]["upstream_auth"] = {"file": str(key_file)}
+
+    with running_stack(tmp_path_factory.mktemp("locked"), sim_args=("--speed", "20", "--api-key", BACKEND_KEY),
+                       edit_config=edit) as s:
+        yield s, key_file
+
+
+def _sent_authorization(stack: Stack) -> list[str | None]:
+    """The Authorization header each backend received, latest last (backends log refused requests too)."""
+    entries = sorted((e for sim in stack.sims for e in sim.requests()), key=lambda e: e["time"])
+    return [dict((k.lower(), v) for k, v in e["headers"]).get("authorization") for e in entries]
+
+
+def test_the_backend_gets_the_models_credential_and_a_rotation_needs_no_restart(locked: tuple[Stack, Path]) -> None:
+    stack, key_file = locked
+    client = stack.openai()
+    reply = client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert reply.parse().choices[0].message.content  # the backends refuse anything but their key
+    assert _sent_authorization(stack)[-1] == f"Bearer {BACKEND_KEY}"  # not the client's key
+    assert BACKEND_KEY not in json.dumps(dict(reply.headers)) and API_KEY not in json.dumps(dict(reply.headers))
+    stream = client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "x"}],
+                                            max_tokens=3, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    # A model without upstream_auth sends nothing: the backend answers 401, passed on as it wrote it.
+    with pytest.raises(openai.AuthenticationError):
+        stack.openai(api_key=OTHER_KEY).chat.completions.create(
+            model="other-model", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert _sent_authorization(stack)[-1] is None
+    # Rotating the file: the next requests carry the new key, with no restart (the backends still want the
+    # old one, so they refuse it); rotating back restores service.
+    key_file.write_text(ROTATED_KEY + "\n")
+
+    def sends(key: str) -> bool:
+        try:
+            client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=2)
+        except openai.AuthenticationError:
+            pass
+        return _sent_authorization(stack)[-1] == f"Bearer {key}"
+
+    wait_until(lambda: sends(ROTATED_KEY), 10, interval=0.2, what="the rotated key upstream")
+    key_file.write_text(BACKEND_KEY + "\n")
+    wait_until(lambda: sends(BACKEND_KEY), 10, interval=0.2, what="the original key upstream")
+    assert client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=2).choices[0].message.content
+    # No log of the stack (ext_proc at debug level, xDS, Envoy's access log, the backends) shows either key.
+    wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count back to 0")
+    for log in stack.run_dir.iterdir():
+        if log.is_file():
+            text = log.read_text(errors="replace")
+            assert BACKEND_KEY not in text and ROTATED_KEY not in text, log.name
