@@ -78,12 +78,60 @@ class KubernetesTarget(_Strict):
     port: int | str  # port number or port name in the EndpointSlice
 
 
+# Headers a model's upstream credential may go in: Envoy's bootstrap sets each from its own metadata key
+# (modeldock.upstream_auth:<header>), so a config reload never needs a new Envoy config.
+UPSTREAM_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
+
+
+class UpstreamAuthConfig(_Strict):
+    """The credential the gateway sends a model's backends (vLLM's --api-key), from exactly one of
+    an environment variable (read at load) or a file (re-read when it changes)."""
+
+    header: Literal["authorization", "x-api-key", "api-key"] = "authorization"
+    scheme: str = "Bearer"  # the value is "<scheme> <secret>"; empty: the secret alone (x-api-key)
+    env: str | None = None
+    file: str | None = None
+
+    @field_validator("header", mode="before")
+    @classmethod
+    def _header(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value  # header names are case-insensitive
+
+    @field_validator("scheme")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", value):
+            raise ValueError("must be one token such as Bearer, or empty for the bare secret")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError("must be an environment variable name")
+        return value
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be a file path")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpstreamAuthConfig:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of `env` or `file`")
+        return self
+
+
 class ModelConfig(_Strict):
     name: str
     served_name: str | None = None  # the name the backend knows; defaults to `name`
     endpoints: list[str] | None = None
     kubernetes: KubernetesTarget | None = None
     protocol: Literal["http1", "http2"] = "http1"
+    upstream_auth: UpstreamAuthConfig | None = None  # the credential sent to the backends
 
     @field_validator("name", "served_name")
     @classmethod

@@ -13,6 +13,7 @@ import yaml
 
 from modeldock.admission.headers import LIMIT, REMAINING, RESET
 from modeldock.config import ListenerConfig
+from modeldock.extproc.attempts import RID_HEADER
 from modeldock.extproc.responses import local_reply_config
 from modeldock.xds.resources import ROUTE_NAMESPACE
 
@@ -75,6 +76,8 @@ def _attempt_loggers(count: int) -> str:
                 # Send each entry at once: the in-flight count should move now.
                 "buffer_size_bytes": 0, "buffer_flush_interval": "0.005s",
             },
+            # The gateway's key for the request (modeldock:rid): an upstream log entry has no dynamic metadata.
+            "additional_request_headers_to_log": [RID_HEADER],
         },
     } for i in range(count)])
 

@@ -2,9 +2,12 @@
 
 Envoy's router writes an upstream access log entry when the connection for a retry
 is ready; envoy/bootstrap.yaml filters out first attempts, so nothing is sent for a
-request that was not retried. Each entry names the request (its x-request-id) and
-the endpoint the retry went to. Every ext_proc replica hears every entry and acts
-on the requests it holds: the in-flight count moves to where the request now is.
+request that was not retried. Each entry names the request by the key the ext_proc
+replica that routed it chose (`modeldock:rid`, copied by Envoy into the upstream
+header `x-modeldock-rid`, since an upstream log entry carries no dynamic metadata)
+and the endpoint the retry went to. Every ext_proc replica hears every entry and
+acts on the requests it holds: the in-flight count moves to where the request now is.
+The client's x-request-id is never the key: two live requests may share it.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from envoy.service.accesslog.v3 import als_pb2
 from modeldock.types import Endpoint
 
 SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+# The upstream request header that carries modeldock:rid (envoy/bootstrap.yaml, modeldock/envoy.py).
+RID_HEADER = "x-modeldock-rid"
 
 
 def retried_attempts(message: als_pb2.StreamAccessLogsMessage) -> list[tuple[str, str]]:
-    """(request id, endpoint address as override_host writes it) for each entry."""
+    """(the gateway's request key, endpoint address as override_host writes it) for each entry."""
     found = []
     for entry in message.http_logs.log_entry:
+        rid = entry.request.request_headers.get(RID_HEADER)
         socket = entry.common_properties.upstream_remote_address.socket_address
-        if entry.request.request_id and socket.address and socket.port_value:
-            found.append((entry.request.request_id, Endpoint(socket.address, socket.port_value).address))
+        if rid and socket.address and socket.port_value:
+            found.append((rid, Endpoint(socket.address, socket.port_value).address))
     return found
 
 

@@ -63,8 +63,11 @@ def _out_of_order() -> BadRequest:
 
 
 class RequestFlow:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, rid: str = "") -> None:
         self._gateway = gateway
+        # The gateway's own key for this request (modeldock:rid), unique per replica; Envoy's retry
+        # reports are joined on it. The client's x-request-id is only for log correlation.
+        self.rid = rid
         self._phase = Phase.START
         self.head: RequestHead | None = None
         self.routed: Routed | None = None
@@ -108,7 +111,8 @@ class RequestFlow:
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
         return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
-                                            routed.route_metadata)
+                                            routed.route_metadata, rid=self.rid, tenant=routed.tenant.id,
+                                            upstream_auth=routed.upstream_auth)
 
     def _logged(self, rejection: Rejection) -> Rejection:
         """A refusal of the protocol's own (the director logs the rest)."""

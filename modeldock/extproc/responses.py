@@ -19,6 +19,9 @@ from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, U
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# A model's upstream credential, keyed by header name; Envoy sets the header from it, then blanks it
+# (envoy/bootstrap.yaml: modeldock.route_from_metadata, modeldock.forget_upstream_auth).
+UPSTREAM_AUTH_NAMESPACE = "modeldock.upstream_auth"
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -52,7 +55,8 @@ def models_response(names: list[str]) -> ep.ProcessingResponse:
 
 
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
-                       response_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
+                       response_headers: Mapping[str, str] | None = None, *, rid: str = "",
+                       tenant: str = "", upstream_auth: tuple[str, str] | None = None) -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
 
     With the header phase skipped, a body response cannot change request headers
@@ -60,6 +64,9 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
     take effect, so that the route is matched again with the metadata present.
     `response_headers` (the x-ratelimit-* set) and `model` are metadata too: the route
     adds the headers to the response, and Envoy's own error reply names the model.
+    `rid` (the gateway's key for the request) goes upstream as `x-modeldock-rid`, which is how
+    Envoy's retry log names the request; `tenant` is for Envoy's access log. `upstream_auth`
+    (header, value) is the model's backend credential, which Envoy sets after removing the client's.
     """
     response = ep.ProcessingResponse()
     common = response.request_body.response
@@ -71,6 +78,10 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
     route["cluster"].string_value = cluster
     if model:
         route["model"].string_value = model
+    if rid:
+        route["rid"].string_value = rid
+    if tenant:
+        route["tenant"].string_value = tenant
     if response_headers:
         for key, value in response_headers.items():
             route[key].string_value = value
@@ -78,6 +89,8 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
         common.body_mutation.body = body
         route["content_length"].string_value = str(len(body))
     fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoints
+    if upstream_auth is not None:
+        fields[UPSTREAM_AUTH_NAMESPACE].struct_value.fields[upstream_auth[0]].string_value = upstream_auth[1]
     return response
 
 

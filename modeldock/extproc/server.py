@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -23,12 +25,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self._on_finish = on_finish
         self._on_retry = on_retry
         self.open_streams = 0
-        # Routed requests by x-request-id, for Envoy's retry reports (attempts.py).
+        # Routed requests by the key this replica gave them (never the client's x-request-id, which
+        # two live requests may share), for Envoy's retry reports (attempts.py).
         self._routed: dict[str, RequestFlow] = {}
+        # Keys unique across replicas and restarts: a random per-process prefix and a counter.
+        self._key_prefix = secrets.token_hex(6) + "-"
+        self._counter = itertools.count(1)
 
-    def retried(self, request_id: str, address: str) -> None:
-        """Envoy retried request `request_id` on `address`; ignored unless this replica routed it."""
-        flow = self._routed.get(request_id)
+    def retried(self, rid: str, address: str) -> None:
+        """Envoy retried the request this replica keyed `rid` on `address`; ignored unless it is ours."""
+        flow = self._routed.get(rid)
         if flow is None:
             return
         if flow.retried_on(address) and self._on_retry is not None:
@@ -41,20 +47,21 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     ) -> None:
         # context.read()/write() rather than an async generator: one fewer
         # coroutine hop per message (benchmarks/extproc_cost.py).
-        flow = RequestFlow(self._gateway)
+        rid = f"{self._key_prefix}{next(self._counter)}"
+        flow = RequestFlow(self._gateway, rid)
         started = time.perf_counter()
         self.open_streams += 1
-        request_id = ""
+        registered = False
         try:
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
                 response = await flow.handle(request)
-                if flow.lease is not None and not request_id and flow.head is not None and flow.head.request_id:
+                if not registered and flow.routed is not None:
                     # Before Envoy has the answer, so that no retry report can come first.
-                    request_id = flow.head.request_id
-                    self._routed[request_id] = flow
+                    registered = True
+                    self._routed[rid] = flow
                 await context.write(response)
         except Exception:
             # A broken stream must not leak: the finally below still releases.
@@ -63,9 +70,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             # Envoy ends the stream when the HTTP stream ends, including client
             # disconnects (the handler is then cancelled).
             self.open_streams -= 1
-            # Only its own entry: a client-sent x-request-id may repeat another's.
-            if request_id and self._routed.get(request_id) is flow:
-                del self._routed[request_id]
+            if registered:
+                del self._routed[rid]
             flow.finish()
             if self._on_finish is not None:
                 self._on_finish(flow, time.perf_counter() - started)

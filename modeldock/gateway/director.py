@@ -11,8 +11,9 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
   3. length          body size against `limits.max_body_bytes` (413)
   4. parse           JSON object with a valid `model` (400)
   5. resolve model   known and allowed for the tenant (one 404 for both); alias rewrite
-  6. dispatchable    snapshot fresh and endpoints present (503), before admission so a
-                     request that cannot be served keeps the tenant's rate-limit quota
+  6. dispatchable    snapshot fresh and endpoints present, the model's upstream credential
+                     readable (503), before admission so a request that cannot be served
+                     keeps the tenant's rate-limit quota
   7. prompt blocks   the prompt's block hashes, for prefix affinity
   8. admission       in-flight slot and rate-limit windows (429 / 503); the one await
   9. pick + count    `Picker.pick(model, prefix)`, synchronous, right after admission
@@ -34,13 +35,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission, Ticket
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
+from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import RequestHead, bearer_key, check_length, parse_body
 from modeldock.picking import Lease, Picker
 from modeldock.picking.prefix import prompt_blocks
@@ -69,6 +71,8 @@ class Routed:
     route_metadata: Mapping[str, str]  # x-ratelimit-* values the route adds to the response
     lease: Lease
     ticket: Ticket
+    # (header, value) the gateway sends the backend (the model's `upstream_auth`); never in a repr or log.
+    upstream_auth: tuple[str, str] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """Idempotent: both parts ignore a second release."""
@@ -112,6 +116,9 @@ class Gateway:
         self._models = {m.name: m for m in config.models}
         self.stale_after = config.discovery.stale_after_seconds
         self.max_body_bytes = config.limits.max_body_bytes
+        # Env values are read here, on every (re)load; files when they change (credentials.py).
+        self._credentials = {m.name: UpstreamCredential(m.upstream_auth, self.clock)
+                             for m in config.models if m.upstream_auth is not None}
 
     # -- fed by the ADS client -------------------------------------------
 
@@ -141,6 +148,7 @@ class Gateway:
                 data["model"] = config.upstream_name
                 new_body = json.dumps(data, separators=(",", ":")).encode()
             self.check_dispatchable(model)
+            upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             ticket = await self.admission.admit(tenant, model)
             # No await from here on: pick and count happen in one step.
@@ -153,7 +161,7 @@ class Gateway:
             self._log_rejection(head, rejection, tenant, model)
             raise
         return Routed(tenant, model, cluster_name(model), pick.endpoint_list, pick.primary, new_body,
-                      ticket.headers, pick.lease, ticket)
+                      ticket.headers, pick.lease, ticket, upstream_auth)
 
     def models(self, head: RequestHead) -> list[str]:
         """`GET /v1/models`: the model names the caller's tenant may use."""
@@ -191,6 +199,18 @@ class Gateway:
                 code="endpoint_snapshot_stale",
             )
         self.picker.require_endpoints(model)
+
+    def upstream_auth(self, model: str) -> tuple[str, str] | None:
+        """(header, value) for the model's backends, None when it has no `upstream_auth`; 503 when its
+        credential cannot be read (the backends would refuse the request anyway)."""
+        credential = self._credentials.get(model)
+        if credential is None:
+            return None
+        value = credential.value()
+        if value is None:
+            raise Unavailable(f"The gateway has no credential for the backends of model `{model}`. Retry shortly.",
+                              code="upstream_credential_unavailable", detail=credential.problem)
+        return credential.header, value
 
     @staticmethod
     def _log_rejection(head: RequestHead, rejection: Rejection, tenant: TenantConfig | None,

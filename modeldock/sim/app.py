@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 import struct
@@ -41,7 +42,8 @@ class SimApp:
         self.requests = RequestLog()
         self.received = 0
         # Long prompts are legitimate here; the gateway in front enforces body limits.
-        self.app = web.Application(middlewares=[self._log_requests], client_max_size=MAX_BODY_BYTES)
+        middlewares = [self._log_requests] + ([self._check_api_key] if config.api_key else [])
+        self.app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self.chat),
@@ -63,6 +65,15 @@ class SimApp:
     async def _log_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith("/sim/") and request.path not in UNLOGGED_PATHS:
             await self.requests.record(request, self.clock.time())
+        return await handler(request)
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # vLLM's --api-key: every /v1 route, a 401 with this body otherwise.
+        if request.path.startswith("/v1"):
+            expected = f"Bearer {self.config.api_key}".encode()
+            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+                return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     # --- OpenAI API -------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from modeldock.sim.config import SimConfig
@@ -80,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.speed,
         help="time factor: 10 runs ten times faster than real time (default: %(default)s)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="like vLLM: /v1/* requests need `Authorization: Bearer KEY`, else 401 (default: $VLLM_API_KEY, or none)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -98,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_token_ms=args.prefill_token_ms,
         decode_seq_ms=args.decode_seq_ms,
         speed=args.speed,
+        api_key=args.api_key or None,
     )
 
 

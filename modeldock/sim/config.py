@@ -32,6 +32,9 @@ class SimConfig:
     # 10 means ten times faster than real time.
     speed: float = 1.0
 
+    # Like vLLM's --api-key: /v1/* requests must carry `Authorization: Bearer <key>` (else 401).
+    api_key: str | None = None
+
     def __post_init__(self) -> None:
         positive = {
             "max_num_seqs": self.max_num_seqs,

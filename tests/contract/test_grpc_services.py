@@ -103,7 +103,9 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             assert not common.header_mutation.set_headers and not common.header_mutation.remove_headers
             assert not common.HasField("body_mutation")
             meta = json_format.MessageToDict(first.dynamic_metadata)
-            assert meta["modeldock"] == {"cluster": "model:m", "model": "m"}
+            rid = meta["modeldock"].pop("rid")
+            assert rid and rid != "c-1"  # ext_proc's own key, not the client's x-request-id
+            assert meta["modeldock"] == {"cluster": "model:m", "model": "m", "tenant": "t"}
             endpoints = meta["envoy.lb"]["x-gateway-destination-endpoint"].split(",")
             assert sorted(endpoints) == ["127.0.0.1:9001", "127.0.0.1:9002"]
             assert ext.picker.in_flight(Endpoint.parse(endpoints[0])) == ext.picker.total_in_flight() == 1
@@ -112,7 +114,8 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             retries = ext.metrics.retries._value.get()
             log = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
             await log.write(retry_report(("someone-else", endpoints[0])))
-            await log.write(retry_report(("c-1", endpoints[1])))
+            await log.write(retry_report(("c-1", endpoints[0])))  # the client's id keys nothing
+            await log.write(retry_report((rid, endpoints[1])))
             await _wait(lambda: ext.picker.in_flight(Endpoint.parse(endpoints[1])) == 1)
             assert ext.picker.total_in_flight() == 1
             assert ext.metrics.retries._value.get() == retries + 1
@@ -125,7 +128,7 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             await _wait(lambda: ext.picker.total_in_flight() == 0)
             # A report that comes after the stream ended counts nothing.
             late = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
-            await late.write(retry_report(("c-1", endpoints[0])))
+            await late.write(retry_report((rid, endpoints[0])))
             await late.done_writing()
             await late
             assert ext.picker.total_in_flight() == 0 and ext.metrics.retries._value.get() == retries + 1

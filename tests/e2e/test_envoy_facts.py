@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
@@ -24,6 +26,7 @@ from modeldock.errors import Unauthorized
 from modeldock.extproc import responses
 from modeldock.extproc.wire import parse_request
 from modeldock.xds.resources import cluster_name
+from tests.support.access_log import AccessLogCollector
 from tests.support.envoy_rig import ATTRS, BODY, Rig, envoy_rig, route
 
 pytestmark = pytest.mark.e2e
@@ -163,21 +166,36 @@ async def test_ext_proc_failing_is_a_json_503(rig: Rig) -> None:
 
 
 async def test_a_retry_is_reported_by_the_upstream_access_log(rig: Rig) -> None:
-    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[1]},127.0.0.1:{rig.ports[0]}")
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[1]},127.0.0.1:{rig.ports[0]}", rid="rid-first")
     assert (await rig.post()).status_code == 200
     await asyncio.sleep(0.1)
     assert rig.retries == []  # first attempts are not logged
     rig.upstream.servers[0].close()  # never connected to: the primary below refuses, Envoy retries
     await asyncio.sleep(0.05)
-    rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports))
-    assert (await rig.post()).status_code == 200
+    rig.extproc.answer = route(",".join(f"127.0.0.1:{p}" for p in rig.ports), rid="rid-2")
+    assert (await rig.post(headers=[("authorization", "Bearer k"), ("x-request-id", "client-id")])).status_code == 200
     got = rig.upstream.received[-1]
     assert got.port == rig.ports[1] and got.headers["x-envoy-attempt-count"] == "2"
     for _ in range(100):
         if rig.retries:
             break
         await asyncio.sleep(0.01)
-    assert rig.retries == [(got.headers["x-request-id"], f"127.0.0.1:{rig.ports[1]}")]
+    # The entry names the request by ext_proc's key (modeldock:rid through the logged x-modeldock-rid header;
+    # an upstream log entry carries no dynamic metadata), not by the client's x-request-id.
+    assert rig.retries == [("rid-2", f"127.0.0.1:{rig.ports[1]}")]
+    assert got.headers["x-request-id"] == "client-id" and got.headers["x-modeldock-rid"] == "rid-2"
+
+
+async def test_the_rid_header_is_set_only_from_metadata(rig: Rig) -> None:
+    # A client cannot set it (the first filter drops x-modeldock-*), and no metadata adds no header.
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
+    r = await rig.post(headers=[("authorization", "Bearer k"), ("x-modeldock-rid", "forged")])
+    assert r.status_code == 200 and "x-modeldock-rid" not in rig.upstream.received[-1].headers
+    rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}", rid="rid-3", tenant="acme")
+    r = await rig.post(headers=[("authorization", "Bearer k"), ("x-modeldock-rid", "forged")])
+    assert r.status_code == 200 and rig.upstream.received[-1].headers["x-modeldock-rid"] == "rid-3"
+    assert "tenant=acme " in (await rig.access_log(2))[-1]
+    assert "x-modeldock-rid" not in r.headers
 
 
 async def test_ratelimit_headers_come_from_the_route_metadata(rig: Rig) -> None:
@@ -240,8 +258,68 @@ def test_bootstrap_uses_one_catch_all_and_a_metadata_gated_route() -> None:
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == ["modeldock.strip_routing_headers", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
-                     "modeldock.route_from_metadata", "envoy.filters.http.router"]
+                     "modeldock.route_from_metadata", "modeldock.forget_upstream_auth", "envoy.filters.http.router"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [("direct_response" in r, "dynamic_metadata" in r["match"]) for r in routes] == [
         (True, False), (False, True), (True, False)]
     assert json.dumps(routes[1]["match"]["dynamic_metadata"]).count("present_match") == 1
+
+
+def _with_hcm_grpc_access_log(port: int) -> Callable[[dict[str, Any]], None]:
+    """An HCM-level gRPC access log to `port` (every entry carries all dynamic metadata)."""
+    def edit(config: dict[str, Any]) -> None:
+        resources = config["static_resources"]
+        resources["clusters"].append({
+            "name": "test_als", "type": "STATIC", "connect_timeout": "1s",
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+            "load_assignment": {"cluster_name": "test_als", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}})
+        hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["access_log"].append({"name": "envoy.access_loggers.http_grpc", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {"log_name": "test", "transport_api_version": "V3",
+                              "grpc_service": {"envoy_grpc": {"cluster_name": "test_als"}},
+                              "buffer_size_bytes": 0, "buffer_flush_interval": "0.005s"}}})
+    return edit
+
+
+@pytest.mark.parametrize("header, value", [("authorization", "Bearer sk-upstream-1"), ("x-api-key", "sk-raw-2"),
+                                           ("api-key", "sk-raw-3")])
+async def test_the_upstream_credential_comes_from_metadata_and_leaves_no_trace(tmp_path: Path, header: str,
+                                                                               value: str) -> None:
+    collector = AccessLogCollector()
+    als = grpc.aio.server()
+    collector.add_to(als)
+    als_port = als.add_insecure_port("127.0.0.1:0")
+    await als.start()
+    try:
+        async with envoy_rig(tmp_path, edit=_with_hcm_grpc_access_log(als_port)) as rig:
+            rig.extproc.answer = lambda _r: responses.route_request_body(
+                cluster_name("m"), f"127.0.0.1:{rig.ports[0]}", model="m", rid="r-1",
+                upstream_auth=(header, value))
+            # The client's own credentials of every kind are gone; the gateway's is set after the removal.
+            r = await rig.post(headers=[("authorization", "Bearer client-key"), ("x-api-key", "client-key"),
+                                        ("api-key", "client-key"), ("x-request-id", "with-auth")])
+            assert (r.status_code, r.text) == (200, "okend")
+            got = rig.upstream.received[-1].headers
+            assert got[header] == value
+            assert not [k for k in got if k in ("authorization", "x-api-key", "api-key") and k != header], got
+            assert "client-key" not in json.dumps(got) and value not in json.dumps(r.headers)
+            # Without the metadata, no header at all (an empty value is not added).
+            rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}", rid="r-2")
+            r = await rig.post(headers=[("authorization", "Bearer client-key"), ("x-request-id", "without-auth")])
+            got = rig.upstream.received[-1].headers
+            assert r.status_code == 200 and not [k for k in got if k in ("authorization", "x-api-key", "api-key")]
+            # Envoy's gRPC access log carries all dynamic metadata: the credential was blanked after use.
+            heard = await collector.wait_for(lambda e: e.request.request_id == "with-auth")
+            meta = heard.entry.common_properties.metadata.filter_metadata
+            assert meta["modeldock"].fields["rid"].string_value == "r-1"  # the rest of the namespace stays
+            assert {k: v.string_value for k, v in meta["modeldock.upstream_auth"].fields.items()} == {
+                "authorization": "", "x-api-key": "", "api-key": ""}
+            assert value.encode() not in heard.entry.SerializeToString()
+            lines = await rig.access_log(2)
+            assert value not in rig.log.read_text() and "client-key" not in rig.log.read_text(), lines
+    finally:
+        await als.stop(None)

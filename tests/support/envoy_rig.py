@@ -209,7 +209,7 @@ class Rig:
     upstream: Upstream
     ports: list[int]
     listen: int
-    retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (request id, endpoint)
+    retries: list[tuple[str, str]]  # what Envoy's upstream access log reported: (modeldock:rid, endpoint)
     log: Path  # Envoy's stdout and stderr: the access log
     admin: int
     server: grpc.aio.Server  # the scripted ext_proc's
@@ -234,12 +234,14 @@ class Rig:
         return await http(self.listen, method, path, pairs, body)
 
 
-def route(endpoints: str, cluster: str = cluster_name("m")) -> Answer:
-    return lambda _r: responses.route_request_body(cluster, endpoints, model="m")
+def route(endpoints: str, cluster: str = cluster_name("m"), *, rid: str = "", tenant: str = "") -> Answer:
+    return lambda _r: responses.route_request_body(cluster, endpoints, model="m", rid=rid, tenant=tenant)
 
 
 @asynccontextmanager
-async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None) -> AsyncIterator[Rig]:
+async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None,
+                    edit: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[Rig]:
+    """`edit` may change the bootstrap (a dict) before Envoy starts, e.g. to add a test's access log."""
     extproc = ScriptedExtProc()
     server = grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(extproc.process)  # raw bytes both ways
@@ -256,7 +258,10 @@ async def envoy_rig(tmp_path: Path, listener: ListenerConfig | None = None) -> A
         ports = await upstream.start(2)
         listen, admin = free_port(), free_port()
         path = tmp_path / "envoy.yaml"
-        path.write_text(json.dumps(bootstrap(listen, admin, extproc_port, ports, listener)))  # JSON is YAML
+        config = bootstrap(listen, admin, extproc_port, ports, listener)
+        if edit is not None:
+            edit(config)
+        path.write_text(json.dumps(config))  # JSON is YAML
         proc = await asyncio.create_subprocess_exec(
             envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning",
             "--file-flush-interval-msec", "20",  # the access log, at once

@@ -64,13 +64,16 @@ def headers_request(headers: Sequence[base_pb2.HeaderValue], *, end_of_stream: b
 
 
 def retry_report(*attempts: tuple[str, str]) -> als_pb2.StreamAccessLogsMessage:
-    """What Envoy's upstream access log sends when a retry's connection is ready: (request id, ip:port)."""
+    """What Envoy's upstream access log sends when a retry's connection is ready: (rid, ip:port). The rid
+    (ext_proc's key, modeldock:rid) rides in the logged x-modeldock-rid header; the client's x-request-id
+    is sent as well, set here to the same text to show that it is not what ext_proc reads."""
     msg = als_pb2.StreamAccessLogsMessage(identifier=als_pb2.StreamAccessLogsMessage.Identifier(
         node=base_pb2.Node(id="envoy"), log_name="modeldock_attempts"))
-    for request_id, address in attempts:
+    for rid, address in attempts:
         host, _, port = address.rpartition(":")
         entry = msg.http_logs.log_entry.add()
-        entry.request.request_id = request_id
+        entry.request.request_id = "client-" + rid
+        entry.request.request_headers["x-modeldock-rid"] = rid
         entry.common_properties.upstream_remote_address.socket_address.address = host
         entry.common_properties.upstream_remote_address.socket_address.port_value = int(port)
     return msg

@@ -211,7 +211,7 @@ def running_stack(
             extproc_endpoints=tuple(f"127.0.0.1:{p}" for p in extproc_ports) if len(extproc_ports) > 1 else (),
             buffer_limit=parsed.limits.max_body_bytes, listener=parsed.listener)))
         sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id", "--log-level", "warn",
-                            "--drain-time-s", "1"])
+                            "--drain-time-s", "1", "--file-flush-interval-msec", "20"])  # the access log, at once
         stack = Stack(run_dir, sup, port, admin_port, metrics_ports[0], xm, config_path, sims,
                       extproc_metrics_ports=metrics_ports, extproc_ports=extproc_ports)
         wait_until(lambda: _ready(stack, parsed), 30, what="Envoy clusters ready")

@@ -78,3 +78,26 @@ def test_envoy_config_takes_the_listener_and_body_limit_from_config(tmp_path: Pa
     config = yaml.safe_load(out.getvalue())
     assert hcm(config)["request_timeout"] == "5s"
     assert config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == 2048
+
+
+def test_every_upstream_auth_header_is_set_after_the_client_credential_is_removed_then_forgotten() -> None:
+    from modeldock.config import UPSTREAM_AUTH_HEADERS
+    from modeldock.extproc.responses import UPSTREAM_AUTH_NAMESPACE
+
+    filters = hcm(render(ListenerConfig()))["http_filters"]
+    names = [f["name"] for f in filters]
+    ext_proc = filters[names.index("envoy.filters.http.ext_proc")]["typed_config"]
+    assert UPSTREAM_AUTH_NAMESPACE in ext_proc["metadata_options"]["receiving_namespaces"]["untyped"]
+    mutations = filters[names.index("modeldock.route_from_metadata")]["typed_config"]["mutations"]["request_mutations"]
+    removed = mutations.index({"remove": "authorization"})
+    sets = {m["append"]["header"]["key"]: (i, m["append"]["header"]["value"])
+            for i, m in enumerate(mutations) if "append" in m}
+    for header in UPSTREAM_AUTH_HEADERS:
+        at, value = sets[header]
+        assert at > removed and value == f"%DYNAMIC_METADATA({UPSTREAM_AUTH_NAMESPACE}:{header})%"
+    # After the header is set and before the router (and every access log): the value is blanked.
+    forget = names.index("modeldock.forget_upstream_auth")
+    assert names.index("modeldock.route_from_metadata") < forget < names.index("envoy.filters.http.router")
+    (entry,) = filters[forget]["typed_config"]["metadata"]
+    assert entry == {"metadata_namespace": UPSTREAM_AUTH_NAMESPACE, "allow_overwrite": True,
+                     "value": dict.fromkeys(UPSTREAM_AUTH_HEADERS, "")}

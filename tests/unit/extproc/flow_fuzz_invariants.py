@@ -116,6 +116,10 @@ def check_routed(request: ep.ProcessingRequest, resp: ep.ProcessingResponse) -> 
     route = dict(meta["modeldock"])
     # The model names it in Envoy's own error replies; the route adds the x-ratelimit-* values to the response.
     assert route.pop("cluster") == f"model:{model}" and route.pop("model") == model, route
+    # Envoy's access log prints the tenant; the rid (the servicer's key, none for a bare flow) is never the client's id.
+    assert route.pop("tenant") == tenant, route
+    rid = route.pop("rid", None)
+    assert rid is None or (rid and rid != request_id_of(request)), rid
     limits = {k: route.pop(k) for k in RATELIMIT_HEADERS & set(route)}
     if tenant == "acme":  # the only tenant with request windows
         assert set(limits) == RATELIMIT_HEADERS, limits
@@ -133,6 +137,11 @@ def check_routed(request: ep.ProcessingRequest, resp: ep.ProcessingResponse) -> 
         assert not common.HasField("body_mutation")
         assert not route, route
     return model
+
+
+def rid_of(resp: ep.ProcessingResponse) -> str:
+    """The key ext_proc gave a routed request (modeldock:rid), which Envoy's retry reports name."""
+    return resp.dynamic_metadata.fields["modeldock"].struct_value.fields["rid"].string_value
 
 
 def primary_of(resp: ep.ProcessingResponse) -> Endpoint:

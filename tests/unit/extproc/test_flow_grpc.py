@@ -49,6 +49,7 @@ from tests.unit.extproc.flow_fuzz_invariants import (
     moved,
     primary_of,
     request_id_of,
+    rid_of,
     tenant_of,
     until,
 )
@@ -93,12 +94,14 @@ def raw_process(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallable
 def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[bytes, ep.ProcessingRequest]]],
                                data: st.DataObject) -> None:
     """Streams through the real servicer, their steps interleaved at random, each ended by the client (done
-    writing, or cancelled, early or not), with retry reports by request id in between. A report reaches the
-    request routed last under its id while that request is live, and nothing else: not a request whose stream
-    ended, nor one whose id a later request took; and one request's end never unregisters another's id."""
+    writing, or cancelled, early or not), with retry reports in between, by the key ext_proc gave a request
+    (modeldock:rid) or by a client's x-request-id. A report reaches the live request ext_proc keyed so, and
+    nothing else: not a request whose stream ended, never by the client's id (two requests may share it); and
+    one request's end never unregisters another's key."""
     # One step per message plus one to end the stream, in a random interleaving.
     steps = data.draw(st.permutations([i for i, script in enumerate(scripts) for _ in range(len(script) + 1)]))
-    ids = sorted({request_id_of(seen) for script in scripts for _, seen in script} | {"r-unknown"})
+    client_ids = {request_id_of(seen) for script in scripts for _, seen in script} | {"r-unknown"}
+    rids: list[str] = [""] * len(scripts)  # the key ext_proc gave each routed stream
     failures = Failures()
     logger = logging.getLogger("modeldock.extproc")
     logger.addHandler(failures)
@@ -111,7 +114,7 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
         secret = [keys_only_in_authorization([seen for _, seen in script]) for script in scripts]
         firsts: list[ep.ProcessingResponse | None] = [None] * len(scripts)
         request_ids = [""] * len(scripts)
-        registry: dict[str, int] = {}  # what the servicer should route reports by: id -> stream
+        registry: dict[str, int] = {}  # what the servicer should route reports by: rid -> stream
         counted: dict[Hashable, Counted] = {}
         sent = [0] * len(scripts)
         answered = [False] * len(scripts)  # an immediate response: Envoy sends nothing more
@@ -129,7 +132,7 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
             if counted[target].at == before:
                 assert not reached, "on_retry for a report that moved nothing"  # counted once, as a real move
                 return
-            assert len(reached) == 1 and reached[0].head is not None and reached[0].head.request_id == request_id
+            assert len(reached) == 1 and reached[0].rid == request_id
             flow = reached[0]
             assert flow.lease is not None and not flow.lease.released and flow.lease.endpoint == counted[target].at
 
@@ -138,7 +141,7 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
                 process = raw_process(channel)
                 for i in steps:
                     for address in data.draw(reports):
-                        report(data.draw(st.sampled_from(ids)), address)
+                        report(data.draw(st.sampled_from(sorted(client_ids | {r for r in rids if r}))), address)
                     assert_counts(gw, counted)
                     if ended[i]:
                         continue
@@ -163,8 +166,8 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
                         if i in counted:
                             assert flow.head is not None and flow.head.request_id == request_ids[i]
                             del counted[i]
-                        if registry.get(request_ids[i]) == i:
-                            del registry[request_ids[i]]
+                        if rids[i]:
+                            assert registry.pop(rids[i]) == i
                     else:
                         if call is None:
                             call = calls[i] = process()
@@ -180,15 +183,16 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
                             if kind == "request_body":
                                 counted[i] = Counted(primary_of(resp), primary_of(resp))
                                 request_ids[i] = request_id_of(seen)
-                                if request_ids[i]:  # the servicer registered it before answering
-                                    registry[request_ids[i]] = i
+                                rids[i] = rid_of(resp)  # the servicer registered it before answering
+                                assert rids[i] and rids[i] not in rids[:i] + rids[i + 1:], rids
+                                registry[rids[i]] = i
                         sent[i] += 1
                     assert_counts(gw, counted)
                     assert servicer.open_streams == sum(c is not None for c in calls) - sum(ended)
                     routed_acme = sum(1 for j in counted if tenant_of(attrs_of(scripts[j][0][1]).get(AUTH, "")) == "acme")
                     assert routed_acme <= gw.admission.in_flight("acme") <= 1
             assert all(ended) and servicer.open_streams == 0
-            for request_id in ids:  # every stream ended: no report reaches anything
+            for request_id in sorted(client_ids | set(rids)):  # every stream ended: no report reaches anything
                 report(request_id, "10.0.0.9:8000")
             assert_nothing_held(gw)
         finally:
@@ -241,7 +245,7 @@ async def test_grpc_authorization_attribute_not_utf8_gets_401(junk: bytes) -> No
 
 async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
     """Bytes that are not UTF-8 in another attribute (here the request id) do not stop a good request; its
-    retries are reported under the id as ext_proc read it."""
+    retries are reported under the key ext_proc gave it, whatever the client's id."""
     gw = make_gateway()
     reached: list[RequestFlow] = []
     server, servicer, port, finished = await serve(gw, reached.append)
@@ -254,11 +258,13 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             resp = await call.read()
             assert resp is not grpc.aio.EOF, f"stream broken: {await call.code()}"
             assert check_routed(decoded(msg, {(ATTR, "request.id"): b"\xffid\xfe"}), resp) == "llama-70b"
+            rid = rid_of(resp)
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
             add_retry_targets(gw, "llama-70b", "10.0.0.9:8000")  # a lease only moves within its model
-            servicer.retried("r-1", "10.0.0.9:8000")  # the id as sent was never read: no such request
+            for client_id in ("r-1", "\ufffdid\ufffd"):  # the client's id, as sent or as read, keys nothing
+                servicer.retried(client_id, "10.0.0.9:8000")
             assert not reached and gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
-            servicer.retried("\ufffdid\ufffd", "10.0.0.9:8000")
+            servicer.retried(rid, "10.0.0.9:8000")
             assert len(reached) == 1 and reached[0].retried
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == gw.picker.total_in_flight() == 1
             # A later message with bad bytes (Envoy sends none) goes on unchanged.
@@ -271,44 +277,56 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             await until(lambda: servicer.open_streams == 0 and len(finished) == 1)
         assert finished[0].outcome == "proxied" and finished[0].head.request_id == "\ufffdid\ufffd"
         assert_nothing_held(gw)
-        servicer.retried("\ufffdid\ufffd", "10.0.0.3:8000")  # the stream ended
+        servicer.retried(rid, "10.0.0.3:8000")  # the stream ended
         assert len(reached) == 1
         assert_nothing_held(gw)
     finally:
         await server.stop(0)
 
 
-async def test_grpc_duplicate_request_ids() -> None:
-    """A client may send its own x-request-id, so two live requests can share one. Reports go to the one
-    routed last while it is live; the first one's end must not unregister the second."""
+async def test_grpc_requests_sharing_a_client_id_keep_their_own_reports() -> None:
+    """A client may send its own x-request-id, so two live requests can share one. ext_proc keys each on its
+    own rid: a retry report lands on the request it names, and the end of one keeps the other's entry."""
     gw = make_gateway()
     reached: list[RequestFlow] = []
     server, servicer, port, finished = await serve(gw, reached.append)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             calls = [raw_process(channel)() for _ in range(2)]
+            rids = []
             for call in calls:  # free has no limits: both are routed
                 await call.write(body_msg(b'{"model":"llama-70b"}', auth=f"Bearer {FREE_KEY}",
                                           request_id="dup").SerializeToString())
-                assert (await call.read()).WhichOneof("response") == "request_body"
+                resp = await call.read()
+                assert resp.WhichOneof("response") == "request_body"
+                rids.append(rid_of(resp))
+            assert len(set(rids)) == 2 and "dup" not in rids
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 2
             add_retry_targets(gw, "llama-70b", "10.0.0.9:8000", "[::1]:8000")  # a lease only moves within its model
-            servicer.retried("dup", "10.0.0.9:8000")
+            servicer.retried("dup", "10.0.0.9:8000")  # the client's id names no request
+            assert not reached
+            servicer.retried(rids[0], "10.0.0.9:8000")
+            first = reached[-1]
+            assert first.rid == rids[0] and gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1
+            servicer.retried(rids[1], "[::1]:8000")
             second = reached[-1]
-            assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1
+            assert second.rid == rids[1] and second is not first
+            assert gw.picker.in_flight(Endpoint.parse("[::1]:8000")) == 1
             await calls[0].done_writing()
             assert await calls[0].read() is grpc.aio.EOF
             await until(lambda: len(finished) == 1)
-            assert finished[0] is not second
-            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 0
-            servicer.retried("dup", "[::1]:8000")  # still the second's
-            assert reached[-1] is second and len(reached) == 2
-            assert gw.picker.in_flight(Endpoint.parse("[::1]:8000")) == gw.picker.total_in_flight() == 1
+            assert finished[0] is first
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 0
+            servicer.retried(rids[0], "10.0.0.3:8000")  # ended: its key is gone
+            assert len(reached) == 2
+            servicer.retried(rids[1], "10.0.0.3:8000")  # the other's entry survived the first's end
+            assert reached[-1] is second and len(reached) == 3
+            assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
             calls[1].cancel()
             await until(lambda: servicer.open_streams == 0 and len(finished) == 2)
             assert finished[1] is second
-            servicer.retried("dup", "10.0.0.3:8000")
-            assert len(reached) == 2
+            servicer.retried(rids[1], "10.0.0.9:8000")
+            assert len(reached) == 3
         assert_nothing_held(gw)
     finally:
         await server.stop(0)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import aiohttp
+import pytest
 
 from modeldock.sim.cli import add_arguments, config_from_args, run
 
@@ -72,3 +73,12 @@ async def test_process_serves_and_stops_on_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_api_key_from_the_flag_or_vllms_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert config_from_args(parse()).api_key is None
+    assert config_from_args(parse("--api-key", "k1")).api_key == "k1"
+    monkeypatch.setenv("VLLM_API_KEY", "k2")
+    assert config_from_args(parse()).api_key == "k2"
+    assert config_from_args(parse("--api-key", "k1")).api_key == "k1"

@@ -176,3 +176,19 @@ async def test_a_thousand_concurrent_streams(start_sim: StartSim) -> None:
     stats = sim.stats()
     assert stats["completed"] == 1000 and stats["running"] == 0 and stats["waiting"] == 0
     assert stats["kv_cache_usage"] == 0.0
+
+
+async def test_api_key_is_required_like_vllm(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
+    sim = await start_sim(api_key="sk-backend")
+    body = {"model": sim.app.config.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-backend"}):
+        async with http.post(f"{sim.url}/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 401 and await resp.json() == {"error": "Unauthorized"}
+    async with http.post(f"{sim.url}/v1/chat/completions", json=body,
+                         headers={"Authorization": "Bearer sk-backend"}) as resp:
+        assert resp.status == 200 and (await resp.json())["choices"]
+    async with http.get(f"{sim.url}/health") as resp:  # probes need no key, as with vLLM
+        assert resp.status == 200
+    # The request log shows what the backend received, refused requests included.
+    seen = [dict(e["headers"]).get("Authorization") for e in sim.app.requests.entries()]
+    assert seen == [None, "Bearer wrong", "sk-backend", "Bearer sk-backend"]
