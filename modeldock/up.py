@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -32,8 +33,24 @@ from modeldock.xds.resources import cluster_name
 DEMO_MODEL = "demo-model"
 
 
+# Ports handed to children come from below Linux's ephemeral range (32768-60999 by default): a port
+# the kernel chose with bind(0) is the next one it hands to some outgoing connection, so a child
+# could lose it between our check and its own bind. Here only another free_port() caller can race.
+_PORT_LOW, _PORT_HIGH = 20000, 32000
+_ports = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that is free now, outside the ephemeral range."""
+    for _ in range(200):
+        port = _ports.randrange(_PORT_LOW, _PORT_HIGH)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole range is busy: take what the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
