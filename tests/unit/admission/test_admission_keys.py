@@ -6,6 +6,8 @@ accept a key whose stored hash differs from the real one in a single hex charact
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,7 +94,24 @@ def test_missing_key_is_rejected_with_a_message_saying_how_to_send_it() -> None:
     store = KeyStore([tenant("acme", hash_key(KEY))])
     with pytest.raises(Unauthorized) as info:
         store.authenticate("")
-    assert "Authorization: Bearer" in str(info.value)
+    assert str(info.value) == "Missing API key. Send it as `Authorization: Bearer <key>`."
+
+
+def test_wrong_key_message_is_openais_and_names_no_key() -> None:
+    with pytest.raises(Unauthorized) as info:
+        KeyStore([tenant("acme", hash_key(KEY))]).authenticate("md-wrong")
+    assert str(info.value) == "Incorrect API key provided."
+
+
+def test_key_with_bytes_that_are_not_utf8_is_rejected_not_a_crash() -> None:
+    # Header bytes that are not UTF-8 reach the store as surrogate escapes (extproc/flow.py); such a
+    # key is hashed over its raw bytes, so it is rejected with 401 (or matched), never an exception.
+    key = "md-\udcff\udcfe"
+    store = KeyStore([tenant("acme", hash_key(KEY))])
+    with pytest.raises(Unauthorized):
+        store.authenticate(key)
+    raw = "sha256:" + hashlib.sha256(b"md-\xff\xfe").hexdigest()
+    assert KeyStore([tenant("acme", raw)]).authenticate(key).id == "acme"
 
 
 def test_empty_store_accepts_nothing() -> None:
