@@ -154,7 +154,32 @@ def test_reconnect_with_known_version_gets_full_state_and_same_version():
 
 
 def test_versions_are_stable_across_server_instances():
-    assert World().cache.current.versions == World().cache.current.versions
+    first, second = World().cache.current.versions, World().cache.current.versions
+    # Content hashes: present and non-empty for every type served...
+    assert set(first) >= {CLUSTER_TYPE, ENDPOINT_TYPE}
+    assert all(isinstance(v, str) and v for v in first.values())
+    # ...equal for equal content, across instances...
+    assert first == second
+
+
+def test_versions_change_with_content_and_only_for_the_changed_type():
+    w = World()
+    before = dict(w.cache.current.versions)
+    w.store.update("a", [Endpoint("10.0.0.9", 8000)])
+    w.rebuild()
+    moved = dict(w.cache.current.versions)
+    assert moved[ENDPOINT_TYPE] != before[ENDPOINT_TYPE]
+    assert moved[CLUSTER_TYPE] == before[CLUSTER_TYPE]
+    # Back to the first content: back to the first version (a hash, not a counter).
+    w.store.update("a", [Endpoint("10.0.0.1", 8000)])
+    w.rebuild()
+    assert w.cache.current.versions[ENDPOINT_TYPE] == before[ENDPOINT_TYPE]
+    # Another model list: other clusters, another CDS version.
+    other = World()
+    other.builder = ResourceBuilder([*MODELS, ModelConfig(name="c", endpoints=["10.0.0.3:8000"])], stale_after=15)
+    other.rebuild()
+    assert other.cache.current.versions[CLUSTER_TYPE] != before[CLUSTER_TYPE]
+    assert other.cache.current.versions[CLUSTER_TYPE]
 
 
 def test_several_clients_each_get_the_change():

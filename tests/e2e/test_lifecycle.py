@@ -260,11 +260,40 @@ def test_long_stream_outlives_the_default_route_timeout(stack: Stack) -> None:
     assert pieces == 800
 
 
+def host_stat(stack: Stack, address: str, stat: str) -> int:
+    """A per-host counter from Envoy's /clusters, summed over the clusters that hold the host."""
+    text = urllib.request.urlopen(f"{stack.admin_url}/clusters", timeout=2).read().decode()  # noqa: S310
+    suffix = f"::{address}::{stat}::"
+    return sum(int(line.rsplit("::", 1)[1]) for line in text.splitlines() if suffix in line)
+
+
+def served_by(stack: Stack, marker: str) -> list[str]:
+    """The live simulators whose request log holds a request whose prompt carries `marker`."""
+    return [sim.address for sim in stack.sims
+            if sim.healthy() and any(marker in json.dumps(r["body"]) for r in sim.requests())]
+
+
 def test_killed_backend_before_headers_moves_to_another(stack: Stack) -> None:
     victim = stack.sims[0]
     child = next(ch for ch in stack.sup.children if ch.name == f"sim-{victim.port}")
     os.kill(child.proc.pid, signal.SIGKILL)
     child.proc.wait(5)
+    assert not victim.healthy()
+    fails_before, retries_before = host_stat(stack, victim.address, "cx_connect_fail"), retries(stack)
+    seen_before = stack.metric("modeldock_retries_seen_total")
     client = stack.openai()
-    for _ in range(6):
-        assert client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=1).choices
+    # The picker still holds the victim's last (idle-looking) sample for a moment, so some of these
+    # requests are sent to it first; each must still be answered, by one of the live backends.
+    for i in range(6):
+        marker = f"killed-backend-{i}-{time.monotonic_ns()}"
+        reply = client.chat.completions.create(
+            model="demo-model", messages=[{"role": "user", "content": marker}], max_tokens=1)
+        assert reply.choices[0].message.content
+        served = served_by(stack, marker)
+        assert len(served) == 1 and served[0] != victim.address, served
+    tried = host_stat(stack, victim.address, "cx_connect_fail") - fails_before
+    assert tried > 0, "no request was sent to the killed backend, so none had to move"
+    assert retries(stack) - retries_before >= tried
+    # ext_proc heard of each retry over the upstream access log (it moves the lease to where the retry went).
+    wait_until(lambda: stack.metric("modeldock_retries_seen_total") - seen_before >= tried, 5,
+               what="ext_proc to hear of the retries")
