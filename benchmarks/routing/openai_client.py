@@ -25,7 +25,6 @@ from typing import Any
 
 import openai
 
-
 CHUNKS = 0  # stream chunks received, for the CPU-per-chunk figure
 
 
