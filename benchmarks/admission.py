@@ -38,11 +38,11 @@ from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.admission.limits import Admission  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
 from modeldock.config import Config, hash_key, parse_config  # noqa: E402
-from modeldock.types import Endpoint  # noqa: E402
 from modeldock.extproc.app import build_picker  # noqa: E402
 from modeldock.extproc.flow import RequestFlow  # noqa: E402
-from modeldock.gateway import Gateway  # noqa: E402
 from modeldock.extproc.wire import add_servicer  # noqa: E402
+from modeldock.gateway import Gateway  # noqa: E402
+from modeldock.types import Endpoint  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/admission.py"

@@ -97,10 +97,10 @@ class XdsServer:
             self._stale = stale
         if self.cache.set(resources):
             log.debug("resources now at EDS version %s", resources.versions.get(ENDPOINT_TYPE))
-        for model in self.config.models:
-            self.metrics.age.labels(model.name).set(self.builder.age(snapshot, model.name, now))
-            self.metrics.endpoints.labels(model.name).set(0 if model.name in stale else len(snapshot.endpoints(model.name)))
-            self.metrics.stale.labels(model.name).set(1 if model.name in stale else 0)
+        for name in (m.name for m in self.config.models):
+            self.metrics.age.labels(name).set(self.builder.age(snapshot, name, now))
+            self.metrics.endpoints.labels(name).set(0 if name in stale else len(snapshot.endpoints(name)))
+            self.metrics.stale.labels(name).set(1 if name in stale else 0)
 
     async def start(self) -> None:
         # Listen at once, but answer only with the full state: a client that reconnects

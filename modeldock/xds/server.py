@@ -42,7 +42,8 @@ class _Stream(Protocol):
     def on_change(self) -> list[Any]: ...
 
 
-class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+# The generated servicer base is untyped (xds-protos ships no stubs).
+class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
     def __init__(self, cache: ResourceCache, events: StreamEvents | None = None, *, serving: bool = True) -> None:
         self._cache = cache
         self._events = events or StreamEvents()
@@ -67,7 +68,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     async def StreamAggregatedResources(  # noqa: N802 (gRPC name)
         self,
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         stream = SotwStream(self._cache, peer=context.peer(), events=self._events)
         async for response in self._serve(stream, request_iterator, "ADS"):
@@ -76,7 +77,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     async def DeltaAggregatedResources(  # noqa: N802 (gRPC name)
         self,
         request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
         stream = DeltaStream(self._cache, peer=context.peer(), events=self._events)
         async for response in self._serve(stream, request_iterator, "delta ADS"):

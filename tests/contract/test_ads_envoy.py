@@ -23,8 +23,8 @@ from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import duration_pb2
 
 from modeldock.config import parse_config
-from modeldock.types import Endpoint
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.types import Endpoint
 from modeldock.up import free_port
 from modeldock.xds.app import XdsOptions, XdsServer
 from modeldock.xds.cache import ResourceSet, pack
