@@ -80,6 +80,13 @@ def _load_balancing_policy() -> cluster_pb2.LoadBalancingPolicy:
     )
 
 
+def stat_name(model: str) -> str:
+    """The cluster's name in Envoy's stats. Envoy's Prometheus tag extraction ends the cluster name at
+    the first dot, so `model:llama-3.1-8b` would become cluster `model_llama-3` and a metric named
+    `..._1_8b_upstream_rq_total`: dots become underscores."""
+    return cluster_name(model).replace(".", "_")
+
+
 def build_cluster(model: ModelConfig) -> cluster_pb2.Cluster:
     cluster = cluster_pb2.Cluster(
         name=cluster_name(model.name),
@@ -115,6 +122,8 @@ def build_cluster(model: ModelConfig) -> cluster_pb2.Cluster:
     packed = any_pb2.Any()
     packed.Pack(options)
     cluster.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed)
+    if "." in model.name:  # only then: other clusters stay byte-identical (and keep their versions)
+        cluster.alt_stat_name = stat_name(model.name)
     return cluster
 
 

@@ -51,3 +51,21 @@ def test_the_dashboard_reads_series_the_running_stack_exports(tmp_path: Path) ->
     wrong = [p for p in found if p not in missing]
     assert wrong == []
     assert [p for p in missing if not any(f" {prefix}" in p for prefix in NOT_SERVED_YET)] == []
+
+
+def test_a_model_name_with_dots_keeps_one_envoy_cluster_label(tmp_path: Path) -> None:
+    """Envoy's tag extraction ends a cluster name at its first dot; the cluster's stat name has none."""
+
+    def dotted(data: dict[str, object], _sims: object) -> None:
+        models = data["models"]
+        assert isinstance(models, list)
+        models.append({**models[0], "name": "llama-3.1-8b", "served_name": "demo-model"})
+        for tenant in data["tenants"]:  # type: ignore[attr-defined]
+            tenant["models"] = ["*"]
+
+    with running_stack(tmp_path / "run", backends=1, edit_config=dotted) as stack:
+        stack.openai().chat.completions.create(model="llama-3.1-8b", max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+        envoy = scrape(f"{stack.admin_url}/stats/prometheus")
+    assert 'envoy_cluster_upstream_rq_total{envoy_cluster_name="model_llama-3_1-8b"} 1' in envoy
+    assert "_1_8b_upstream" not in envoy and 'envoy_cluster_name="model_llama-3"' not in envoy
