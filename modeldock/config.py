@@ -133,6 +133,11 @@ WeightsConfig = Annotated[dict[str, float], AfterValidator(_weights)]
 
 
 class SaturationConfig(_Strict):
+    # Room (picking/saturation.py): an endpoint is full when one more request would not fit.
+    room: bool = True
+    kv_full: Annotated[float, Field(gt=0, le=1)] = 0.9  # with requests waiting, KV this full is full
+    stale_max_in_flight: Annotated[int, Field(ge=1)] | None = None  # stale sample: full at this many
+    # Fixed thresholds on a fresh sample (off unless set).
     max_waiting: Annotated[int, Field(ge=1)] | None = None
     max_kv: Annotated[float, Field(gt=0, le=1)] | None = None
     reject: Literal["rate_limited", "unavailable"] = "rate_limited"
