@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from modeldock.flowcontrol.config import QueueConfig
 from modeldock.picking.registry import merged_weights
 from modeldock.types import Endpoint
 
@@ -59,6 +60,12 @@ class TenantConfig(_Strict):
     tokens_per_minute: Annotated[int, Field(ge=0)] = 0
     tokens_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
     tokens_per_day: Annotated[int, Field(ge=0)] = 0
+    # Flow control (modeldock/flowcontrol): the tenant's share of a saturated model's queue (by tokens),
+    # its queue class (`queue.classes`; default `queue.default_class`), and the other classes its
+    # requests may ask for with the `x-priority` header.
+    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    priority: str | None = None
+    priorities_allowed: list[str] = []
 
     @field_validator("api_key_hashes")
     @classmethod
@@ -181,6 +188,11 @@ WeightsConfig = Annotated[dict[str, float], AfterValidator(_weights)]
 
 
 class SaturationConfig(_Strict):
+    # Room (picking/saturation.py): an endpoint is full when one more request would not fit.
+    room: bool = True
+    kv_full: Annotated[float, Field(gt=0, le=1)] = 0.9  # with requests waiting, KV this full is full
+    stale_max_in_flight: Annotated[int, Field(ge=1)] | None = None  # stale sample: full at this many
+    # Fixed thresholds on a fresh sample (off unless set).
     max_waiting: Annotated[int, Field(ge=1)] | None = None
     max_kv: Annotated[float, Field(gt=0, le=1)] | None = None
     reject: Literal["rate_limited", "unavailable"] = "rate_limited"
@@ -232,7 +244,29 @@ class ListenerConfig(_Strict):
     max_concurrent_streams: Annotated[int, Field(ge=1, le=2**31 - 1)] = 100  # per HTTP/2 connection
     max_connections: Annotated[int, Field(ge=1)] = 50_000
     max_heap_bytes: Annotated[int, Field(ge=1024 * 1024)] = 768 * 1024 * 1024  # Envoy's overload manager
-    ext_proc_message_timeout_seconds: Annotated[float, Field(gt=0)] = 2.0  # each ext_proc answer
+    # Each ext_proc answer, which includes a request's wait in the queue. Default: the queue's
+    # `ttl_seconds` + QUEUE_ANSWER_MARGIN_SECONDS (2 s without a queue); must exceed that.
+    ext_proc_message_timeout_seconds: Annotated[float, Field(gt=0)] | None = None
+
+    def message_timeout(self, queue: QueueConfig | None = None) -> float:
+        """The ext_proc message timeout: as set, or derived from the queue's TTL."""
+        if self.ext_proc_message_timeout_seconds is not None:
+            return self.ext_proc_message_timeout_seconds
+        return default_message_timeout(queue if queue is not None else QueueConfig())
+
+
+# Between the queue's TTL and Envoy giving up on ext_proc's answer: admission (Redis), the pick,
+# and the answer's trip back. The message timeout must exceed TTL + the minimum; the default
+# leaves TTL + the default margin.
+QUEUE_ANSWER_MIN_MARGIN_SECONDS = 1.0
+QUEUE_ANSWER_MARGIN_SECONDS = 2.0
+NO_QUEUE_MESSAGE_TIMEOUT_SECONDS = 2.0
+
+
+def default_message_timeout(queue: QueueConfig) -> float:
+    if not queue.enabled:
+        return NO_QUEUE_MESSAGE_TIMEOUT_SECONDS
+    return queue.ttl_seconds + QUEUE_ANSWER_MARGIN_SECONDS
 
 
 class Config(_Strict):
@@ -242,6 +276,7 @@ class Config(_Strict):
     limits: LimitsConfig = LimitsConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     listener: ListenerConfig = ListenerConfig()
+    queue: QueueConfig = QueueConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> Config:
@@ -260,6 +295,39 @@ class Config(_Strict):
             for key in tenant.requests_per_minute_per_model:
                 if not any(model.matches(key) for model in self.models):
                     raise _FieldError(("tenants", i, "requests_per_minute_per_model"), f"{key!r} matches no model")
+        return self
+
+    @model_validator(mode="after")
+    def _classes_exist(self) -> Config:
+        classes = self.queue.classes
+        for i, tenant in enumerate(self.tenants):
+            if tenant.priority is not None and tenant.priority not in classes:
+                raise _FieldError(("tenants", i, "priority"),
+                                  f"{tenant.priority!r} is not one of queue.classes {sorted(classes)}")
+            for name in tenant.priorities_allowed:
+                if name not in classes:
+                    raise _FieldError(("tenants", i, "priorities_allowed"),
+                                      f"{name!r} is not one of queue.classes {sorted(classes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _timeouts_cover_the_queue(self) -> Config:
+        """Envoy must wait for ext_proc's answer while a request waits in the queue, and its
+        request_timeout (which runs until the request has gone upstream) must cover that answer."""
+        listener = self.listener
+        timeout = listener.message_timeout(self.queue)
+        if listener.ext_proc_message_timeout_seconds is None:
+            # Resolved here, so that whoever renders Envoy's bootstrap from `listener` alone gets it.
+            listener = listener.model_copy(update={"ext_proc_message_timeout_seconds": timeout})
+            object.__setattr__(self, "listener", listener)
+        if self.queue.enabled and timeout <= self.queue.ttl_seconds + QUEUE_ANSWER_MIN_MARGIN_SECONDS:
+            raise _FieldError(("listener", "ext_proc_message_timeout_seconds"),
+                              f"{timeout:g}s must exceed queue.ttl_seconds ({self.queue.ttl_seconds:g}s) plus "
+                              f"{QUEUE_ANSWER_MIN_MARGIN_SECONDS:g}s; raise it or lower the queue's TTL")
+        if listener.request_timeout_seconds <= timeout:
+            raise _FieldError(("listener", "request_timeout_seconds"),
+                              f"{listener.request_timeout_seconds:g}s must exceed the ext_proc message timeout "
+                              f"({timeout:g}s): it includes ext_proc's answer")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

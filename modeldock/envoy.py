@@ -120,7 +120,7 @@ def _listener_values(listener: ListenerConfig) -> dict[str, str]:
         "max_concurrent_streams": str(listener.max_concurrent_streams),
         "max_connections": str(listener.max_connections),
         "max_heap_bytes": str(listener.max_heap_bytes),
-        "message_timeout": duration(listener.ext_proc_message_timeout_seconds),
+        "message_timeout": duration(listener.message_timeout()),
     }
 
 

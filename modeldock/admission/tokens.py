@@ -3,7 +3,8 @@
 The estimate is deliberately high (settling gives back what was not used):
 prompt tokens as the request body's bytes / 4 (JSON punctuation and field names
 count too), plus the completion limit the client set, or
-`limits.reserve_completion_tokens` when it set none, times `n`.
+`limits.reserve_completion_tokens` when it set none, times `n`. It is the gateway's
+one estimator, `modeldock.flowcontrol.cost.estimate_cost`, given the body's length.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-BYTES_PER_TOKEN = 4
-MAX_CHOICES = 128
+from modeldock.flowcontrol.cost import CHARS_PER_TOKEN as BYTES_PER_TOKEN
+from modeldock.flowcontrol.cost import MAX_CHOICES
+from modeldock.flowcontrol.cost import estimate_cost as _estimate
+
+__all__ = ["BYTES_PER_TOKEN", "MAX_CHOICES", "Usage", "estimate_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +48,4 @@ class Usage:
 
 def estimate_cost(request: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
     """Tokens to reserve for a parsed chat/completions request whose body was `body_bytes` long."""
-    prompt = math.ceil(max(body_bytes, 0) / BYTES_PER_TOKEN)
-    completion = reserve_completion_tokens
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = request.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            completion = value
-            break
-    n = request.get("n", 1)
-    choices = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
-    return prompt + completion * choices
+    return _estimate(request, reserve_completion_tokens, body_bytes=body_bytes).total

@@ -21,6 +21,7 @@ from modeldock.gateway import Gateway
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.filewatch import FileWatch
+from modeldock.flowcontrol import QueueMetrics
 from modeldock.health import Health
 from modeldock.picking.factory import build_picker
 from modeldock.process import freeze_startup_objects, run_until_signalled
@@ -107,7 +108,8 @@ class ExtProcServer:
             on_status=lambda stale: self.gateway.on_status(stale),
         )
         self.admission = Admission(config, self.clock, registry=self.registry)
-        self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for)
+        self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
+                               queue_metrics=QueueMetrics(self.registry))
         self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
         self.attempts = AttemptLogServicer(self.servicer.retried)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)

@@ -4,6 +4,11 @@ Runs on the hot path for every queued request, so it only walks the body once an
 counts characters: ~4 characters per token is the usual figure for English with
 Llama-3-class tokenizers (the simulator cuts tokens the same way). It never raises
 on a body the parser accepted; odd fields count as zero.
+
+The one estimator of the gateway: the director computes it once per request (picking,
+committed tokens, the queue's fairness), and token budgets (admission/tokens.py) call it
+with `body_bytes`, which makes the prompt the body's bytes / 4: deliberately high, since a
+budget's settlement gives back what was not used.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CHARS_PER_TOKEN = 4
+MAX_CHOICES = 128
 # Chat templates add role markers around each message; ~3 tokens with Llama-3's template.
 MESSAGE_OVERHEAD_TOKENS = 3
 
@@ -76,12 +82,19 @@ def _limit(value: Any) -> int | None:
     return None
 
 
-def estimate_cost(body: Mapping[str, Any], default_max_tokens: int) -> RequestCost:
+def estimate_cost(body: Mapping[str, Any], default_max_tokens: int, *, body_bytes: int | None = None) -> RequestCost:
     """Prompt tokens (estimated) plus the output tokens the request may generate.
 
     `max_completion_tokens` wins over `max_tokens` (OpenAI's newer name); with
-    neither, or a value that is not a positive integer, `default_max_tokens`.
+    neither, or a value that is not a positive integer, `default_max_tokens`; times
+    `n` (1 to 128) choices. The prompt is counted from its text (at least 1 token), or,
+    given `body_bytes`, as the body's bytes / 4 (an upper bound, for budgets).
     """
-    prompt = _prompt_tokens(body)
+    if body_bytes is None:
+        prompt = max(1, _prompt_tokens(body))
+    else:
+        prompt = -(-max(body_bytes, 0) // CHARS_PER_TOKEN)
     limit = _limit(body.get("max_completion_tokens")) or _limit(body.get("max_tokens"))
-    return RequestCost(prompt_tokens=max(1, prompt), max_new_tokens=limit or default_max_tokens)
+    n = _limit(body.get("n"))
+    choices = n if n is not None and n <= MAX_CHOICES else 1
+    return RequestCost(prompt_tokens=prompt, max_new_tokens=(limit or default_max_tokens) * choices)

@@ -58,6 +58,7 @@ class Item(Generic[T]):
     taken: bool = False  # the waiter received the claim (or it was released)
     start: float = 0.0  # SFQ tags, set while the item is its flow's head
     finish: float = 0.0
+    data: object = None  # the caller's, for its claim function (e.g. what to pick with)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class FlowQueue(Generic[T]):
     # -- entering ---------------------------------------------------------------------------
 
     def enqueue(
-        self, tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, ttl: float | None = None
+        self, tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, ttl: float | None = None,
+        data: object = None,
     ) -> Item[T]:
         """Queue a request, or raise RateLimited(queue_full) if it may not wait.
 
@@ -142,7 +144,7 @@ class FlowQueue(Generic[T]):
         item: Item[T] = Item(
             tenant=tenant, klass=klass, priority=priority, cost=max(1, int(cost)), weight=float(weight),
             enqueued_at=now, deadline=now + (self.config.ttl_seconds if ttl is None else ttl),
-            seq=self._seq, future=loop.create_future(),
+            seq=self._seq, future=loop.create_future(), data=data,
         )
         self._band(priority).add(item)
         self._tenants[tenant] = self._tenants.get(tenant, 0) + 1

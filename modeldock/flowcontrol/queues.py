@@ -42,6 +42,11 @@ class FlowQueues(Generic[T]):
             )
         return queue
 
+    def waiting(self, model: str) -> FlowQueue[T] | None:
+        """The model's queue if requests wait in it, else None (a dict lookup: the hot path's check)."""
+        queue = self._queues.get(model)
+        return queue if queue is not None and len(queue) else None
+
     def __iter__(self) -> Iterator[FlowQueue[T]]:
         return iter(list(self._queues.values()))
 

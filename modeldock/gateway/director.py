@@ -14,13 +14,18 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
   6. dispatchable    snapshot fresh and endpoints present, the model's upstream credential
                      readable (503), before admission so a request that cannot be served
                      keeps the tenant's rate-limit quota
-  7. prompt blocks   the prompt's block hashes, for prefix affinity
-  8. admission       in-flight slot and rate-limit windows (429 / 503); the one await
-  9. pick + count    `Picker.pick(model, prefix)`, synchronous, right after admission
+  7. prompt blocks   the prompt's block hashes, for prefix affinity; the queue class
+                     (`x-priority`, 400 if the tenant may not use it); the token cost, once
+  8. admission       in-flight slot and rate-limit windows (429 / 503)
+  9. pick + count    `Picker.pick(model, prefix, cost=...)`, synchronous, right after
+                     admission; when every endpoint is saturated (or others already wait),
+                     the request waits in the model's flow-control queue holding its ticket,
+                     and is picked and counted in one synchronous step inside the queue's
+                     claim callback when room appears (a lease of the model released, a fresh
+                     sample: the picker's room listener). It leaves with 429 queue_full /
+                     queue_timeout, or at once when its client goes (the ticket is released).
 
 Where later features go:
-  - a gateway-side queue before pick: between 8 and 9, in `route` (hold the ticket,
-    await a slot, then pick; release the ticket if the wait is cancelled);
   - token-budget reservation: inside admission (step 8), `Admission.admit` returns the
     reservation on the Ticket, released with it;
   - an Endpoint-Picker protocol adapter (GIE's EPP): a second adapter beside extproc/flow.py
@@ -32,9 +37,10 @@ the tenant and model when known; the adapter renders it (extproc/responses.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from modeldock.admission.keys import KeyStore
@@ -42,9 +48,10 @@ from modeldock.admission.limits import Admission, Ticket
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
+from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
 from modeldock.gateway.credentials import UpstreamCredential
-from modeldock.gateway.request import RequestHead, bearer_key, check_length, parse_body
-from modeldock.picking import Lease, Picker
+from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
+from modeldock.picking import Lease, Pick, Picker, Saturated
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.types import Endpoint
 from modeldock.xds.resources import cluster_name
@@ -80,6 +87,11 @@ class Routed:
         self.ticket.release()
 
 
+def _release_pick(pick: Pick) -> None:
+    """A pick the queue made for a waiter that was cancelled in the same instant."""
+    pick.lease.release()
+
+
 def check_route(head: RequestHead) -> None:
     """A completion path, asked with POST."""
     if head.path not in COMPLETION_PATHS:
@@ -97,17 +109,25 @@ class Gateway:
         admission: Admission,
         *,
         xds_down_for: Callable[[], float] = lambda: 0.0,
+        queue_metrics: QueueMetrics | None = None,
     ) -> None:
         self.clock = clock
         self.picker = picker
         self.admission = admission
         self._xds_down_for = xds_down_for
         self.stale_models: frozenset[str] = frozenset()
+        # The queue's settings apply from start; tenants' weights and classes follow reloads.
+        self.queues: FlowQueues[Pick] = FlowQueues(config.queue, clock, release=_release_pick, metrics=queue_metrics)
+        self._dispatching = False
+        self._again: set[str] = set()
+        picker.add_room_listener(self.dispatch)
         self._load(config)
 
     def apply_config(self, config: Config) -> None:
         """Swap tenants, models and limits on reload."""
         self.admission.reconfigure(config)
+        if config.queue != self.queues.config:
+            log.warning("config reload: `queue:` changed; restart ext_proc (and re-render Envoy's bootstrap) to apply it")
         self._load(config)
 
     def _load(self, config: Config) -> None:
@@ -150,12 +170,13 @@ class Gateway:
             self.check_dispatchable(model)
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
+            klass = self.request_class(tenant, head)
+            cost = estimate_cost(data, self.queues.config.default_max_tokens).total
             ticket = await self.admission.admit(tenant, model)
-            # No await from here on: pick and count happen in one step.
             try:
-                pick = self.picker.pick(model, prefix)
+                pick = await self._pick(head, tenant, model, klass, prefix, cost)
             except BaseException:
-                ticket.release()
+                ticket.release()  # timed out, shed, cancelled (the client left) or refused: nothing held
                 raise
         except Rejection as rejection:
             self._log_rejection(head, rejection, tenant, model)
@@ -174,6 +195,82 @@ class Gateway:
             self._log_rejection(head, rejection, tenant, None)
             raise
         return self.visible_models(tenant)
+
+    # -- the queue -------------------------------------------------------
+
+    async def _pick(self, head: RequestHead, tenant: TenantConfig, model: str, klass: str,
+                    prefix: Sequence[int], cost: int) -> Pick:
+        """Pick + count at once when there is room and nobody waits; else wait in the queue."""
+        queue = self.queues.waiting(model)
+        if queue is None:
+            try:
+                return self.picker.pick(model, prefix, cost=cost)  # the usual path: one call
+            except Saturated:
+                if not self.queues.config.enabled:
+                    raise
+            queue = self.queues.get(model)
+            behind = False
+        else:
+            behind = True  # others wait: join them (fair order), then let dispatch decide
+        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight, data=(prefix, cost))
+        if behind:
+            self.dispatch(model)
+        try:
+            pick = await queue.wait(item)
+        except Rejection as rejection:
+            rejection.detail = (f"{rejection.detail}; " if rejection.detail else "") + (
+                f"waited {self.clock.monotonic() - item.enqueued_at:.3f}s in the queue (class {klass})")
+            raise
+        except asyncio.CancelledError:
+            log.info("request %s left the queue of model %s after %.3fs: the client went away (tenant=%s class=%s)",
+                     head.request_id or "-", model, self.clock.monotonic() - item.enqueued_at, tenant.id, klass)
+            raise
+        log.info("request %s waited %.3fs in the queue of model %s (tenant=%s class=%s cost=%d) -> %s",
+                 head.request_id or "-", self.clock.monotonic() - item.enqueued_at, model, tenant.id, klass, cost,
+                 pick.primary.address)
+        return pick
+
+    def dispatch(self, model: str) -> None:
+        """Room may have appeared for `model` (the picker's room listener): hand queued requests
+        their picks while there is room. Synchronous, no I/O; a call made while dispatching (a
+        release inside a claim) runs after the current one."""
+        if self.queues.waiting(model) is None:
+            return
+        if self._dispatching:
+            self._again.add(model)
+            return
+        self._dispatching = True
+        try:
+            pending = {model}
+            while pending:
+                name = pending.pop()
+                queue = self.queues.waiting(name)
+                if queue is not None:
+                    queue.dispatch(lambda item, name=name: self._claim(name, item))  # type: ignore[misc]
+                pending |= self._again
+                self._again.clear()
+        finally:
+            self._dispatching = False
+
+    def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
+        """Pick and count for a queued request, or None: still no room."""
+        prefix, cost = item.data  # type: ignore[misc]
+        try:
+            return self.picker.pick(model, prefix, cost=cost)
+        except Saturated:
+            return None
+
+    def request_class(self, tenant: TenantConfig, head: RequestHead) -> str:
+        """The queue class: the tenant's, or the one its `x-priority` header asks for if allowed."""
+        own = tenant.priority or self.queues.config.default_class
+        asked = head.priority
+        if not asked or asked == own:
+            return own
+        if asked in tenant.priorities_allowed:
+            return asked
+        allowed = sorted({own, *tenant.priorities_allowed})
+        raise BadRequest(f"`{PRIORITY_HEADER}: {asked[:64]}` is not a priority this API key may use; "
+                         f"use one of {', '.join(allowed)}.", code="priority_not_allowed")
 
     # -- the steps -------------------------------------------------------
 

@@ -62,6 +62,7 @@ class RequestHead:
     authorization: tuple[str, ...]
     content_length: int | None
     request_id: str
+    priority: str = ""  # the `x-priority` header (PRIORITY_HEADER): a queue class the tenant may ask for
 
 
 def read_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
@@ -82,6 +83,10 @@ def read_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
     return RequestHead(method, path, tuple(authorization), content_length, request_id)
 
 
+PRIORITY_HEADER = "x-priority"
+_PRIORITY_ATTRIBUTE = f"request.headers['{PRIORITY_HEADER}']"
+
+
 def head_from_attributes(attributes: dict[str, str]) -> RequestHead:
     """The request as Envoy's `request_attributes` describe it (no header phase)."""
     path = attributes.get("request.path", "").split("?", 1)[0]
@@ -89,7 +94,7 @@ def head_from_attributes(attributes: dict[str, str]) -> RequestHead:
     # Envoy joins repeated headers with ","; a bearer token never contains one.
     authorization = tuple(auth.split(",")) if auth is not None else ()
     return RequestHead(attributes.get("request.method", ""), path, authorization, None,
-                       attributes.get("request.id", ""))
+                       attributes.get("request.id", ""), attributes.get(_PRIORITY_ATTRIBUTE, "").strip())
 
 
 def bearer_key(authorization: tuple[str, ...]) -> str:

@@ -26,7 +26,8 @@ def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegist
         stale_after=routing.stale_after_seconds,
         stale_penalty=routing.stale_penalty,
         p2c_threshold=routing.p2c_threshold,
-        saturation=Saturation(sat.max_waiting, sat.max_kv, sat.reject, sat.retry_after_seconds),
+        saturation=Saturation(sat.max_waiting, sat.max_kv, sat.reject, sat.retry_after_seconds, room=sat.room,
+                              kv_full=sat.kv_full, stale_max_in_flight=sat.stale_max_in_flight),
         rng=rng,
         registry=registry,
     )

@@ -4,15 +4,19 @@ Only the ledger changes counts: `claim` makes a `Lease`, and a lease moves or
 releases through the ledger's public methods. Everything runs synchronously on
 the event loop, so a pick's read-score-claim happens with no await in between.
 
-Per-endpoint state lives in `signals.Load`. Committed tokens (for a queue and
-token-load scoring) go beside the request count there: `claim` would take the
-request's token estimate, the `Lease` keep it, `Load.add/remove` sum it and
-`Signals` carry it to the scorers; no other part of picking needs to change.
+Per-endpoint state lives in `signals.Load`. Committed tokens go beside the
+request count there: `claim` takes the request's token estimate, the `Lease`
+keeps it (a move takes it along), `Load.add/remove` sum it and `Signals` carry
+it to the scorers and to saturation.
+
+Room listeners (`add_room_listener`) hear "room may have appeared for model M"
+synchronously when a lease of M is released or moved away, and when a sample
+arrives for an endpoint of M; the gateway's queue dispatches from there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from modeldock.clock import Clock
 from modeldock.picking.signals import Load, Sample, Signals
@@ -24,13 +28,14 @@ NO_LOAD = Load()  # read-only stand-in for endpoints never counted or sampled
 class Lease:
     """One request's claim on an endpoint of a model; released exactly once."""
 
-    __slots__ = ("_ledger", "_seq", "endpoint", "model", "released")
+    __slots__ = ("_ledger", "_seq", "endpoint", "model", "released", "tokens")
 
-    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int) -> None:
+    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int, tokens: int = 0) -> None:
         self._ledger = ledger
         self.model = model
         self.endpoint = endpoint
         self.released = False
+        self.tokens = tokens  # committed on `endpoint` while the lease holds
         self._seq = seq  # the ledger's sequence number for this claim
 
     def move_to(self, address: str) -> bool:
@@ -45,14 +50,16 @@ class Lease:
             return False
         if target == self.endpoint or not self._ledger.serves(self.model, target):
             return False
-        self._seq = self._ledger.move(self.endpoint, self._seq, target)
+        self._seq = self._ledger.move(self.endpoint, self._seq, target, self.tokens)
         self.endpoint = target
+        self._ledger.room(self.model)  # the endpoint it left has room again
         return True
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self._ledger.drop(self.endpoint, self._seq)
+            self._ledger.room(self.model)
 
 
 class Ledger:
@@ -69,6 +76,18 @@ class Ledger:
         self._served: dict[str, str] = {}
         self.live: frozenset[Endpoint] = frozenset()
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
+        self._listeners: list[Callable[[str], None]] = []
+
+    # -- room ------------------------------------------------------------
+
+    def add_room_listener(self, listener: Callable[[str], None]) -> None:
+        """`listener(model)`: room may have appeared for `model`. Called synchronously from
+        release, move and observe: it must not raise and should only schedule work."""
+        self._listeners.append(listener)
+
+    def room(self, model: str) -> None:
+        for listener in self._listeners:
+            listener(model)
 
     # -- endpoints -------------------------------------------------------
 
@@ -112,10 +131,15 @@ class Ledger:
             load = self.loads[endpoint] = Load()
         if taken_at < load.taken_at:
             return  # an older result than the one we hold
+        load.learn(sample, taken_at)
         load.sample = sample
         load.taken_at = taken_at
         load.rebase(self._seq, in_flight_at)
         load.failures = 0
+        if self._listeners:
+            for model, members in self._members.items():
+                if endpoint in members:
+                    self.room(model)
 
     def observe_failure(self, endpoint: Endpoint) -> None:
         load = self.loads.get(endpoint)
@@ -135,14 +159,15 @@ class Ledger:
 
     # -- claims ----------------------------------------------------------
 
-    def claim(self, model: str, endpoint: Endpoint) -> Lease:
-        """Count one request on `endpoint` for `model`."""
-        return Lease(self, model, endpoint, self._add(endpoint))
+    def claim(self, model: str, endpoint: Endpoint, tokens: int = 0) -> Lease:
+        """Count one request, committing `tokens`, on `endpoint` for `model`."""
+        return Lease(self, model, endpoint, self._add(endpoint, tokens), tokens)
 
-    def move(self, endpoint: Endpoint, seq: int, target: Endpoint) -> int:
-        """Move a claim; the new claim's sequence number (new to `target`: counted like a pick there)."""
+    def move(self, endpoint: Endpoint, seq: int, target: Endpoint, tokens: int = 0) -> int:
+        """Move a claim and its tokens; the new claim's sequence number (new to `target`: counted
+        like a pick there)."""
         self.drop(endpoint, seq)
-        return self._add(target)
+        return self._add(target, tokens)
 
     def drop(self, endpoint: Endpoint, seq: int) -> None:
         load = self.loads.get(endpoint)
@@ -152,12 +177,12 @@ class Ledger:
         if load.in_flight == 0 and endpoint not in self.live:
             del self.loads[endpoint]  # gone from the snapshot and nothing left to count
 
-    def _add(self, endpoint: Endpoint) -> int:
+    def _add(self, endpoint: Endpoint, tokens: int = 0) -> int:
         load = self.loads.get(endpoint)
         if load is None:
             load = self.loads[endpoint] = Load()
         self._seq += 1
-        load.add(self._seq)
+        load.add(self._seq, tokens)
         return self._seq
 
     def in_flight(self, endpoint: Endpoint) -> int:
@@ -166,6 +191,13 @@ class Ledger:
 
     def total_in_flight(self) -> int:
         return sum(load.in_flight for load in self.loads.values())
+
+    def committed(self, endpoint: Endpoint) -> int:
+        load = self.loads.get(endpoint)
+        return load.committed if load is not None else 0
+
+    def total_committed(self) -> int:
+        return sum(load.committed for load in self.loads.values())
 
     def tracked(self) -> Mapping[Endpoint, Load]:
         return self.loads

@@ -33,6 +33,9 @@ class EndpointRow(NamedTuple):
     score: float | None  # None for round_robin, which does not score
     sample_age: float | None  # None when no sample was ever taken
     scrape_failures: int  # consecutive
+    committed_tokens: int = 0  # tokens of this gateway's requests in flight there
+    capacity_tokens: float = 0.0  # KV capacity read from the page (0: unknown)
+    tokens_per_second: float = 0.0  # speed learned from its counters (0: unknown)
 
 
 class PickerMetrics:
@@ -65,6 +68,14 @@ class _EndpointCollector(Collector):
                                 labels=["endpoint"])
         failures = GaugeMetricFamily("modeldock_picker_scrape_failures",
                                      "Consecutive failed scrapes of the endpoint.", labels=["endpoint"])
+        committed = GaugeMetricFamily("modeldock_picker_committed_tokens",
+                                      "Tokens (prompt + output limit) of this gateway's requests in flight there.",
+                                      labels=["endpoint"])
+        capacity = GaugeMetricFamily("modeldock_picker_kv_capacity_tokens",
+                                     "KV-cache capacity in tokens, from vllm:cache_config_info.", labels=["endpoint"])
+        speed = GaugeMetricFamily("modeldock_picker_tokens_per_second",
+                                  "Tokens per second the endpoint processed while busy (its own counters).",
+                                  labels=["endpoint"])
         for row in self._rows():
             in_flight.add_metric([row.endpoint], row.in_flight)
             if row.score is not None:
@@ -72,7 +83,12 @@ class _EndpointCollector(Collector):
             if row.sample_age is not None:
                 age.add_metric([row.endpoint], row.sample_age)
             failures.add_metric([row.endpoint], row.scrape_failures)
-        yield from (in_flight, score, age, failures)
+            committed.add_metric([row.endpoint], row.committed_tokens)
+            if row.capacity_tokens > 0:
+                capacity.add_metric([row.endpoint], row.capacity_tokens)
+            if row.tokens_per_second > 0:
+                speed.add_metric([row.endpoint], row.tokens_per_second)
+        yield from (in_flight, score, age, failures, committed, capacity, speed)
 
 
 class ScrapeMetrics:

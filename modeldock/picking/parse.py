@@ -12,11 +12,18 @@ import re
 
 from modeldock.picking.signals import Sample
 
-_NAMES = r"(num_requests_waiting|num_requests_running|kv_cache_usage_perc|gpu_cache_usage_perc)"
+_LOAD = r"num_requests_waiting|num_requests_running|kv_cache_usage_perc|gpu_cache_usage_perc|prompt_tokens_total|generation_tokens_total"
 # name, optional {labels}, value; the label group runs to the last `}` on the line.
-_TAIL = _NAMES + r"(?:\{([^\n]*)\})?[ \t]+([^ \t\n]+)"
-_LINE = re.compile(r"\nvllm([:_])" + _TAIL)
-_FIRST = re.compile(r"vllm([:_])" + _TAIL)  # the page's first line has no leading newline
+_TAIL = r"(?:\{([^\n]*)\})?[ \t]+([^ \t\n]+)"
+# Two pattern pairs: cache_config_info (KV capacity) never changes while a server runs, so the
+# scraper asks for it only now and then, and the usual scrape does not match it at all.
+_LINE = re.compile(r"\nvllm([:_])(" + _LOAD + ")" + _TAIL)
+_FIRST = re.compile(r"vllm([:_])(" + _LOAD + ")" + _TAIL)  # the page's first line has no leading newline
+_LINE_CAP = re.compile(r"\nvllm([:_])(" + _LOAD + "|cache_config_info)" + _TAIL)
+_FIRST_CAP = re.compile(r"vllm([:_])(" + _LOAD + "|cache_config_info)" + _TAIL)
+_BLOCKS = re.compile(r'(?:^|[ ,])num_gpu_blocks="(\d+)"')
+_BLOCK_SIZE = re.compile(r'(?:^|[ ,])block_size="(\d+)"')
+_ENGINE = re.compile(r'(?:^|[ ,])engine="([^"]*)"')
 
 
 def _escape(value: str) -> str:
@@ -34,7 +41,17 @@ def _names_other_model(labels: str, wanted: str) -> bool:
     return not labels.startswith(wanted + '"', at + 12)
 
 
-def parse_metrics(text: str, model: str | None) -> Sample | None:
+def _capacity(labels: str) -> tuple[str, int] | None:
+    """(engine, num_gpu_blocks x block_size) from one cache_config_info series; None before vLLM
+    has profiled its cache (`num_gpu_blocks="None"`) or when a label is missing."""
+    blocks, size = _BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
+    if blocks is None or size is None:
+        return None
+    engine = _ENGINE.search(labels)
+    return (engine.group(1) if engine else ""), int(blocks.group(1)) * int(size.group(1))
+
+
+def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sample | None:
     """The served model's load, summed over engines; None if the page has none.
 
     Series whose `model_name` label differs from `model` are ignored; series
@@ -42,16 +59,24 @@ def parse_metrics(text: str, model: str | None) -> Sample | None:
     summed over the `engine` label; KV usage (a 0..1 fraction per engine) is
     averaged and clamped to [0, 1], since a sum of fractions means nothing.
     Prefers the `vllm:` spelling and `kv_cache_usage_perc` over the older
-    `gpu_cache_usage_perc` when a page carries both.
+    `gpu_cache_usage_perc` when a page carries both. The token counters
+    (prompt + generation, summed) become `tokens_total`; with `capacity`, the
+    KV capacity in tokens from `cache_config_info` (summed over engines).
     """
     totals: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], int] = {}
-    first = _FIRST.match(text)
-    matches = _LINE.findall(text)
+    first = (_FIRST_CAP if capacity else _FIRST).match(text)
+    matches = (_LINE_CAP if capacity else _LINE).findall(text)
     if first is not None:
         matches.insert(0, first.groups(""))
     wanted = _escape(model) if model is not None else None
+    engines: dict[str, int] = {}
     for sep, name, labels, raw in matches:
+        if name == "cache_config_info":
+            found = _capacity(labels)
+            if found is not None:
+                engines[found[0]] = found[1]
+            continue
         if wanted is not None and "model_name" in labels and _names_other_model(labels, wanted):
             continue
         try:
@@ -72,8 +97,12 @@ def parse_metrics(text: str, model: str | None) -> Sample | None:
     if kv_key not in totals:
         kv_key = (sep, "gpu_cache_usage_perc")
     kv = totals[kv_key] / counts[kv_key] if kv_key in totals else 0.0
+    prompt, generated = totals.get((sep, "prompt_tokens_total")), totals.get((sep, "generation_tokens_total"))
+    tokens = None if prompt is None and generated is None else (prompt or 0.0) + (generated or 0.0)
     return Sample(
         waiting=max(0.0, waiting or 0.0),
         running=max(0.0, running or 0.0),
         kv=min(1.0, max(0.0, kv)),
+        capacity=float(sum(engines.values())) if engines else None,
+        tokens_total=tokens,
     )

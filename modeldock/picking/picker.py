@@ -10,7 +10,7 @@ endpoint. The Scraper feeds samples in through `observe`.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -167,6 +167,15 @@ class Picker:
     def total_in_flight(self) -> int:
         return self._ledger.total_in_flight()
 
+    def total_committed(self) -> int:
+        """Tokens committed by every request in flight."""
+        return self._ledger.total_committed()
+
+    def add_room_listener(self, listener: Callable[[str], None]) -> None:
+        """`listener(model)` hears, synchronously, that room may have appeared for `model`: a
+        lease of it was released or moved, or a fresh sample arrived for one of its endpoints."""
+        self._ledger.add_room_listener(listener)
+
     # -- picking ---------------------------------------------------------
 
     def require_endpoints(self, model: str) -> tuple[Endpoint, ...]:
@@ -177,18 +186,20 @@ class Picker:
             raise Unavailable(f"No ready endpoints for model {model!r}.", code="no_ready_endpoints")
         return candidates
 
-    def pick(self, model: str, prefix: Sequence[int] = ()) -> Pick:
-        """`prefix`: the prompt's block hashes (prefix.prompt_blocks), for prefix affinity."""
+    def pick(self, model: str, prefix: Sequence[int] = (), *, cost: int = 0) -> Pick:
+        """`prefix`: the prompt's block hashes (prefix.prompt_blocks), for prefix affinity;
+        `cost`: the request's estimated tokens, committed on the endpoint while the lease holds.
+        Raises `Saturated` (a 429/503 Rejection) when no candidate has room."""
         started = perf_counter()
         candidates = self.require_endpoints(model)
-        request = PickRequest(model, tuple(prefix))
+        request = PickRequest(model, tuple(prefix), cost)
         ranked = self._scheduler.rank(request, candidates, 1 + self._fallbacks)
         if ranked is None:
             self._metrics.outcome["saturated"].inc()
             assert self._scheduler.saturation is not None
             raise self._scheduler.saturation.rejection(model, len(candidates))
         primary = ranked[0]
-        result = Pick(primary, tuple(ranked[1:]), self._ledger.claim(model, primary))
+        result = Pick(primary, tuple(ranked[1:]), self._ledger.claim(model, primary, cost))
         self._scheduler.picked(request, primary)
         self._metrics.outcome["picked"].inc()
         self._metrics.latency.observe(perf_counter() - started)

@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from modeldock.picking.affinity import PrefixAffinity
+from modeldock.picking.headroom import KvHeadroom
 from modeldock.picking.scorers import InFlight, KvUsage, QueueDepth, RequestScorer, Running, Scorer
+from modeldock.picking.wait import PredictedWait
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,14 @@ class ScorerSpec:
 
 SCORERS: Mapping[str, ScorerSpec] = {spec.name: spec for spec in (
     ScorerSpec("queue", 0.4, lambda _: QueueDepth(), doc="requests waiting, x / (x + 4)"),
-    ScorerSpec("kv", 0.3, lambda _: KvUsage(), doc="KV-cache fraction in use"),
+    # `kv_headroom` reads the KV fraction itself when no capacity is known, so `kv` is off by default.
+    ScorerSpec("kv", 0.0, lambda _: KvUsage(), doc="KV-cache fraction in use"),
+    ScorerSpec("kv_headroom", 0.3, lambda _: KvHeadroom(),
+               doc="KV tokens spoken for (committed, or used + sent since) over capacity"),
     ScorerSpec("running", 0.15, lambda _: Running(), doc="sequences running, x / (x + 32)"),
     ScorerSpec("in_flight", 0.15, lambda _: InFlight(), doc="this gateway's requests, x / (x + 8)"),
+    ScorerSpec("predicted_wait", 0.1, lambda _: PredictedWait(),
+               doc="committed tokens / the endpoint's own tokens per second, x / (x + 2 s)"),
     ScorerSpec("prefix", 0.25, lambda o: PrefixAffinity(o.prefix_capacity), load=False,
                doc="prefix-cache miss fraction, beside the load scorers' total of 1"),
 )}

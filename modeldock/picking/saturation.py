@@ -1,4 +1,4 @@
-"""Refuse to pile on when every candidate is already overloaded."""
+"""Refuse (or queue) instead of piling on when no candidate has room for one more request."""
 
 from __future__ import annotations
 
@@ -9,37 +9,79 @@ from modeldock.errors import RateLimited, Rejection, Unavailable
 from modeldock.picking.signals import Signals
 
 
+class Saturated(Rejection):
+    """Every candidate is saturated. The gateway's queue catches it (the request waits for
+    room); with the queue off it is the 429 or 503 below."""
+
+
+class SaturatedRateLimited(Saturated, RateLimited):
+    pass
+
+
+class SaturatedUnavailable(Saturated, Unavailable):
+    pass
+
+
 @dataclass(frozen=True)
 class Saturation:
-    """An endpoint is saturated when its FRESH sample shows waiting >= max_waiting
-    or kv >= max_kv (None turns a test off). Stale endpoints are never saturated:
-    nothing says they are full. When all candidates are saturated, pick raises
-    429 (rate_limited, Retry-After) or 503 (unavailable, Retry-After)."""
+    """When is an endpoint too full for one more request (of `cost` tokens)?
+
+    Room (`room=True`, the config's default): when one more request would not fit:
+      - its fresh sample shows requests waiting (corrected: picks since the sample count as
+        waiting) while its KV cache is at least `kv_full` used: vLLM is queueing for memory;
+      - or, its KV capacity known (vllm:cache_config_info), the tokens this gateway has
+        committed there plus `cost` exceed it: a request that will not fit would preempt or
+        wait (an endpoint with nothing in flight always takes one, whatever its size);
+      - or its sample is stale (or missing) and the local counts say it is full: the tokens
+        rule above, or `stale_max_in_flight` requests in flight when set.
+    Thresholds (the older knobs, None turns each off): a FRESH sample showing
+    `waiting >= max_waiting` or `kv >= max_kv`. Stale endpoints are never over a threshold.
+
+    When every candidate is saturated, pick raises `Saturated`: 429 (rate_limited) or 503
+    (unavailable), code `endpoints_saturated`, with Retry-After.
+    """
 
     max_waiting: float | None = None
     max_kv: float | None = None
     reject: Literal["rate_limited", "unavailable"] = "rate_limited"
     retry_after_seconds: int = 1
+    room: bool = False
+    kv_full: float = 0.9
+    stale_max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.reject not in ("rate_limited", "unavailable"):
             raise ValueError("saturation reject must be 'rate_limited' or 'unavailable'")
         if self.max_kv is not None and not 0.0 < self.max_kv <= 1.0:
             raise ValueError("saturation max_kv must be a fraction in (0, 1]")
+        if not 0.0 < self.kv_full <= 1.0:
+            raise ValueError("saturation kv_full must be a fraction in (0, 1]")
+        if self.stale_max_in_flight is not None and self.stale_max_in_flight < 1:
+            raise ValueError("saturation stale_max_in_flight must be >= 1")
 
     @property
     def enabled(self) -> bool:
-        return self.max_waiting is not None or self.max_kv is not None
+        return self.room or self.max_waiting is not None or self.max_kv is not None
 
-    def over(self, s: Signals) -> bool:
+    def over(self, s: Signals, cost: int = 0) -> bool:
+        if self.room:
+            if s.in_flight and s.capacity > 0 and s.committed + cost > s.capacity:
+                return True
+            if s.fresh:
+                if s.waiting >= 1 and s.kv >= self.kv_full:
+                    return True
+            elif self.stale_max_in_flight is not None and s.in_flight >= self.stale_max_in_flight:
+                return True
         if not s.fresh:
             return False
         if self.max_waiting is not None and s.waiting >= self.max_waiting:
             return True
         return self.max_kv is not None and s.kv >= self.max_kv
 
-    def rejection(self, model: str, candidates: int) -> Rejection:
+    def rejection(self, model: str, candidates: int) -> Saturated:
         limits = []
+        if self.room:
+            limits.append("no room for this request")
         if self.max_waiting is not None:
             limits.append(f"queue >= {self.max_waiting:g}")
         if self.max_kv is not None:
@@ -48,5 +90,5 @@ class Saturation:
                    f"({' or '.join(limits)}); retry in {self.retry_after_seconds}s.")
         headers = {"Retry-After": str(self.retry_after_seconds)}
         if self.reject == "unavailable":
-            return Unavailable(message, code="endpoints_saturated", headers=headers)
-        return RateLimited(message, code="endpoints_saturated", headers=headers)
+            return SaturatedUnavailable(message, code="endpoints_saturated", headers=headers)
+        return SaturatedRateLimited(message, code="endpoints_saturated", headers=headers)

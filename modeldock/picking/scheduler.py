@@ -104,7 +104,7 @@ class Scheduler:
     def rank(self, request: PickRequest, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
         """Up to `count` distinct candidates, best first; None when all are saturated."""
         if isinstance(self.policy, RoundRobin):
-            return self._round_robin(request.model, candidates, count)
+            return self._round_robin(request, candidates, count)
         if len(candidates) > self._p2c_threshold:
             return self._two_choices(request, candidates, count)
         return self._rank(request, candidates, count)
@@ -125,13 +125,14 @@ class Scheduler:
         loads = self._ledger.loads
         stale_after = self._ledger.stale_after
         saturation = self.saturation
+        cost = request.cost
         rand = self._rng.random
         signals = [loads.get(ep, NO_LOAD).signals(now, stale_after) for ep in endpoints]
         keep, mixes = self._mixes(request, endpoints, signals) if self._request_scorers else (1.0, [])
         keyed = []
         for i, ep in enumerate(endpoints):
             s = signals[i]
-            over = saturation.over(s) if saturation is not None else False
+            over = saturation.over(s, cost) if saturation is not None else False
             value = score(s)
             if mixes:  # some request scorer has an opinion on this request
                 value = keep * value
@@ -207,14 +208,14 @@ class Scheduler:
         rest.sort()
         return [primary[3], *(k[3] for k in rest[: count - 1])]
 
-    def _round_robin(self, model: str, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
+    def _round_robin(self, request: PickRequest, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:
         assert isinstance(self.policy, RoundRobin)
         saturation = self.saturation
         if saturation is None:
-            return self.policy.order(model, candidates, count)
-        ordered = self.policy.order(model, candidates, len(candidates))
+            return self.policy.order(request.model, candidates, count)
+        ordered = self.policy.order(request.model, candidates, len(candidates))
         now = self._clock.monotonic()
-        over = {ep for ep in ordered if saturation.over(self._ledger.signals(ep, now))}
+        over = {ep for ep in ordered if saturation.over(self._ledger.signals(ep, now), request.cost)}
         if len(over) == len(ordered):
             return None
         return ([ep for ep in ordered if ep not in over] + [ep for ep in ordered if ep in over])[:count]
@@ -228,5 +229,6 @@ class Scheduler:
         for ep in sorted(ledger.live | ledger.loads.keys()):
             load = ledger.load(ep)
             age = now - load.taken_at if load.sample is not None else None
-            rows.append(EndpointRow(ep.address, load.in_flight, self.score(ep), age, load.failures))
+            rows.append(EndpointRow(ep.address, load.in_flight, self.score(ep), age, load.failures,
+                                    load.committed, load.capacity, load.speed))
         return rows

@@ -32,6 +32,7 @@ class PickRequest:
 
     model: str
     prefix_blocks: tuple[int, ...] = ()  # prefix.prompt_blocks of the prompt
+    cost: int = 0  # estimated tokens: prompt + output limit (flowcontrol.cost.estimate_cost)
 
 
 class Scorer(Protocol):

@@ -5,6 +5,9 @@ session), each within `timeout`, the whole round within `budget`. Only once
 every fetch has finished or been cut off are the results applied, in one
 synchronous loop: no network I/O happens while the picker's state is touched.
 A failed fetch changes nothing but a failure count: the old sample just ages.
+KV capacity (`cache_config_info`) is read on an endpoint's first pages until
+found, then once every `capacity_every` rounds: it never changes while the
+server runs, and skipping it keeps the usual parse to the load series.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Scraper:
         max_bytes: int = 8 * 1024 * 1024,
         session: aiohttp.ClientSession | None = None,
         registry: CollectorRegistry | None = None,
+        capacity_every: int = 120,
     ) -> None:
         if interval <= 0 or timeout <= 0 or budget <= 0:
             raise ValueError("interval, timeout and budget must be > 0")
@@ -86,6 +90,9 @@ class Scraper:
         self._owns_session = session is None
         self._metrics = ScrapeMetrics(registry)
         self._task: asyncio.Task[None] | None = None
+        self._round = 0
+        self._capacity_every = max(1, capacity_every)
+        self._capacity_read: dict[Endpoint, int] = {}  # endpoint -> round its capacity was last read
 
     # -- lifecycle -------------------------------------------------------
 
@@ -128,6 +135,9 @@ class Scraper:
         targets = dict(self._sink.scrape_targets())
         if not targets:
             return RoundResult()
+        self._round += 1
+        for gone in self._capacity_read.keys() - targets.keys():
+            del self._capacity_read[gone]
         loop = asyncio.get_running_loop()
         started = loop.time()
         session = self._ensure_session()
@@ -178,9 +188,13 @@ class Scraper:
         # rest of the round finishes must still count as corrections on top of it.
         taken_at = self._clock.monotonic()
         in_flight_at = self._sink.in_flight(endpoint)
-        sample = parse_metrics(body.decode("utf-8", "replace"), model)
+        read = self._capacity_read.get(endpoint)
+        want_capacity = read is None or self._round - read >= self._capacity_every
+        sample = parse_metrics(body.decode("utf-8", "replace"), model, capacity=want_capacity)
         if sample is None:
             return _failed("no_series")
+        if sample.capacity is not None:
+            self._capacity_read[endpoint] = self._round
         return _Fetched(sample, taken_at, in_flight_at, None)
 
     async def _read(self, response: aiohttp.ClientResponse) -> bytes | None:

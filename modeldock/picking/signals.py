@@ -13,6 +13,11 @@ class Sample:
     waiting: float  # requests queued (vllm:num_requests_waiting)
     running: float  # sequences in the running batch (vllm:num_requests_running)
     kv: float  # KV-cache usage as a 0..1 fraction
+    # KV capacity in tokens (vllm:cache_config_info: num_gpu_blocks x block_size); None: not read
+    # this time (the scraper reads it rarely: it never changes while the server runs).
+    capacity: float | None = None
+    # vllm:prompt_tokens_total + vllm:generation_tokens_total (counters); None: not on the page.
+    tokens_total: float | None = None
 
 
 class Signals(NamedTuple):
@@ -24,6 +29,10 @@ class Signals(NamedTuple):
     running: float  # corrected estimate; 0 when not fresh
     kv: float  # from the sample, not corrected; 0 when not fresh
     sample: Sample | None  # the raw latest sample, whatever its age
+    committed: int = 0  # tokens (prompt + output limit) of this gateway's requests in flight here
+    capacity: float = 0.0  # KV capacity in tokens; 0: unknown
+    speed: float = 0.0  # tokens/second the endpoint processed while busy (its counters); 0: unknown
+    new_tokens: int = 0  # committed tokens of requests picked since the sample (not in its KV yet)
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -57,10 +66,17 @@ class Load:
     below it was in the sample (`gone` once it finishes).
     """
 
-    __slots__ = ("failures", "gone", "last_pick", "leases", "mark", "new", "sample", "taken_at")
+    __slots__ = ("capacity", "committed", "counted_at", "counter", "failures", "gone", "last_pick", "leases",
+                 "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
-        self.leases: set[int] = set()  # sequence numbers of the requests in flight here
+        self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
+        self.committed = 0  # sum of the leases' tokens
+        self.new_tokens = 0  # tokens of the leases above `mark`
+        self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
+        self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
+        self.counter: float | None = None  # the last token counter reading and when it was taken
+        self.counted_at = 0.0
         self.sample: Sample | None = None
         self.taken_at = float("-inf")  # monotonic time of the sample
         self.mark = 0  # last pick sequence number the sample reflects
@@ -73,23 +89,51 @@ class Load:
     def in_flight(self) -> int:
         return len(self.leases)
 
-    def add(self, seq: int) -> None:
-        self.leases.add(seq)
+    def add(self, seq: int, tokens: int = 0) -> None:
+        self.leases[seq] = tokens
+        self.committed += tokens
         self.new += 1  # seq is the newest number: always above the mark
+        self.new_tokens += tokens
         self.last_pick = seq
 
-    def remove(self, seq: int) -> None:
-        self.leases.discard(seq)
+    def remove(self, seq: int) -> int:
+        """Drop one lease; the tokens it had committed (0 if it was not here)."""
+        if seq not in self.leases:
+            return 0
+        tokens = self.leases.pop(seq)
+        self.committed -= tokens
         if seq > self.mark:
             self.new -= 1
+            self.new_tokens -= tokens
         else:
             self.gone += 1
+        return tokens
+
+    def learn(self, sample: Sample, taken_at: float) -> None:
+        """Capacity and speed from a page: capacity as read; speed from the token counters
+        between two pages, only over intervals the server was busy (an idle server's rate says
+        nothing about how fast it can go), smoothed (EWMA 0.3). A counter going backwards
+        (a restart) starts over."""
+        if sample.capacity is not None:
+            self.capacity = sample.capacity
+        total = sample.tokens_total
+        if total is None:
+            return
+        previous, since = self.counter, self.counted_at
+        self.counter, self.counted_at = total, taken_at
+        if previous is None or taken_at <= since or total < previous:
+            return
+        busy = sample.running > 0 or (self.sample is not None and self.sample.running > 0)
+        if not busy or total == previous:
+            return
+        rate = (total - previous) / (taken_at - since)
+        self.speed = rate if self.speed <= 0 else 0.7 * self.speed + 0.3 * rate
 
     def rebase(self, mark: int, in_flight_at: int | None) -> None:
         """A new sample reflecting the picks up to `mark`; `in_flight_at` requests
         were in flight when it was taken (None: as many as now)."""
         if in_flight_at is None:
-            self.mark, self.new, self.gone = mark, 0, 0
+            self.mark, self.new, self.gone, self.new_tokens = mark, 0, 0, 0
             return
         # Picks since the page arrived: the newest leases above the count then.
         extra = len(self.leases) - in_flight_at
@@ -97,13 +141,16 @@ class Load:
             ordered = sorted(self.leases)
             self.mark = ordered[-extra] - 1
             self.new, self.gone = extra, 0
+            self.new_tokens = sum(self.leases[seq] for seq in ordered[-extra:])
         else:
-            self.mark, self.new, self.gone = mark, 0, -extra
+            self.mark, self.new, self.gone, self.new_tokens = mark, 0, -extra, 0
 
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
         in_flight = len(self.leases)
         if sample is None or now - self.taken_at > stale_after:
-            return Signals(in_flight, False, 0.0, 0.0, 0.0, sample)
+            return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
+                           self.new_tokens)
         waiting, running = correct(sample, self.new, self.gone)
-        return Signals(in_flight, True, waiting, running, sample.kv, sample)
+        return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
+                       self.speed, self.new_tokens)

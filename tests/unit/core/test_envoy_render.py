@@ -55,8 +55,21 @@ def test_defaults_are_production_values() -> None:
     manager = hcm(render(ListenerConfig()))
     assert manager["request_timeout"] == "60s" and manager["request_headers_timeout"] == "10s"
     ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-    assert ext_proc["typed_config"]["message_timeout"] == "2s"
+    assert ext_proc["typed_config"]["message_timeout"] == "12s"  # the queue's TTL (10 s) + 2 s
     assert ext_proc["typed_config"]["failure_mode_allow"] is True
+
+
+def test_message_timeout_follows_the_queue_and_is_checked() -> None:
+    models = {"models": [{"name": "m", "endpoints": ["127.0.0.1:1"]}]}
+    assert parse_config({**models, "queue": {"ttl_seconds": 3}}).listener.ext_proc_message_timeout_seconds == 5
+    assert parse_config({**models, "queue": {"enabled": False}}).listener.ext_proc_message_timeout_seconds == 2
+    with pytest.raises(ConfigError, match=r"listener\.ext_proc_message_timeout_seconds: 11s must exceed queue"):
+        parse_config({**models, "listener": {"ext_proc_message_timeout_seconds": 11}})
+    with pytest.raises(ConfigError, match=r"listener\.request_timeout_seconds: 12s must exceed"):
+        parse_config({**models, "listener": {"request_timeout_seconds": 12}})
+    config = parse_config({**models, "queue": {"ttl_seconds": 30}, "listener": {"ext_proc_message_timeout_seconds": 40}})
+    ext_proc = next(f for f in hcm(render(config.listener))["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["message_timeout"] == "40s"
 
 
 def test_listener_values_are_validated() -> None:
@@ -71,12 +84,12 @@ def test_envoy_config_takes_the_listener_and_body_limit_from_config(tmp_path: Pa
     path = tmp_path / "gw.yaml"
     path.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": ["127.0.0.1:1"]}],
                                     "limits": {"max_body_bytes": 2048},
-                                    "listener": {"request_timeout_seconds": 5}}))
+                                    "listener": {"request_timeout_seconds": 25}}))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["envoy-config", "--config", str(path)]) == 0
     config = yaml.safe_load(out.getvalue())
-    assert hcm(config)["request_timeout"] == "5s"
+    assert hcm(config)["request_timeout"] == "25s"
     assert config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == 2048
 
 

@@ -65,3 +65,15 @@ def test_never_raises_on_any_json_object(body: dict[str, Any]) -> None:
     cost = estimate_cost(body, QueueConfig().default_max_tokens)
     assert cost.prompt_tokens >= 1
     assert cost.max_new_tokens >= 1
+
+
+def test_one_estimator_for_picking_and_budgets() -> None:
+    from modeldock.admission.tokens import estimate_cost as budget_cost
+
+    body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 30, "n": 2}
+    text = estimate_cost(body, 7)
+    assert text.prompt_tokens == 100 + 3 and text.max_new_tokens == 60  # n choices each generate
+    by_bytes = estimate_cost(body, 7, body_bytes=1000)
+    assert by_bytes.prompt_tokens == 250 and by_bytes.max_new_tokens == 60
+    assert budget_cost(body, 1000, 7) == by_bytes.total
+    assert estimate_cost({"prompt": "a", "n": 1000}, 7).max_new_tokens == 7  # n out of range: 1

@@ -22,7 +22,8 @@ def _config(routing: dict[str, object]) -> dict[str, object]:
 def test_routing_values_arrive(stale_after: float, p2c: int, fallbacks: int) -> None:
     config = parse_config(_config({
         "stale_after_seconds": stale_after, "p2c_threshold": p2c, "fallbacks": fallbacks, "stale_penalty": 0.3,
-        "weights": {"queue": 0.5, "kv": 0.5, "running": 0, "in_flight": 0, "prefix": 0.1},
+        "weights": {"queue": 0.5, "kv": 0.5, "running": 0, "in_flight": 0, "prefix": 0.1, "kv_headroom": 0,
+                    "predicted_wait": 0},
         "saturation": {"max_waiting": 7, "reject": "unavailable", "retry_after_seconds": 3},
     }))
     clock = FakeClock()
@@ -57,7 +58,7 @@ def test_routing_values_arrive(stale_after: float, p2c: int, fallbacks: int) -> 
 def test_default_weights_arrive_and_prefix_is_on() -> None:
     picker = build_picker(parse_config(_config({})).routing, FakeClock(), None)
     total = sum(w for name, w in DEFAULT_WEIGHTS.items() if name != "prefix")
-    want = {name: (w if name == "prefix" else w / total) for name, w in DEFAULT_WEIGHTS.items()}
+    want = {name: (w if name == "prefix" else w / total) for name, w in DEFAULT_WEIGHTS.items() if w > 0}
     assert picker.scheduler.weights == pytest.approx(want)
     assert picker.scheduler.request_scorer("prefix") is not None
     assert picker.scheduler.near_tie == 0.06
@@ -71,7 +72,8 @@ def test_prefix_zero_turns_affinity_off_and_other_policies_have_none() -> None:
 
 
 @pytest.mark.parametrize(("weights", "reason"), [({"latency": 1}, "unknown scorer"), ({"kv": -1}, ">= 0"),
-                                                  ({"queue": 0, "kv": 0, "running": 0, "in_flight": 0}, "load scorer")])
+                                                  ({"queue": 0, "kv": 0, "running": 0, "in_flight": 0, "kv_headroom": 0,
+                                                    "predicted_wait": 0}, "load scorer")])
 def test_bad_weights_are_config_errors_naming_the_field(weights: dict[str, float], reason: str) -> None:
     with pytest.raises(ConfigError, match=rf"routing\.weights: .*{reason}"):
         parse_config(_config({"weights": weights}))

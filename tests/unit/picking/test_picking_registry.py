@@ -50,12 +50,24 @@ def _prefix_case(scorer: RequestScorer, x: float) -> float:
     return values[0]
 
 
+def _tokens_case(**fixed: float) -> Callable[[RequestScorer, float], float]:
+    """x: tokens committed on the endpoint (one request in flight), with `fixed` signals."""
+    def score(scorer: RequestScorer, x: float) -> float:
+        s = _signals(in_flight=1 if x else 0)._replace(committed=int(x), **fixed)
+        values = scorer.score(PickRequest("m"), [A], [s])
+        assert values is not None
+        return values[0]
+    return score
+
+
 # name -> (how much of its signal, as a strategy; the scorer's value for that much)
 CASES: dict[str, tuple[st.SearchStrategy[float], Callable[[RequestScorer, float], float]]] = {
     "queue": (st.integers(0, 10_000).map(float), _load_case("waiting")),
     "running": (st.integers(0, 10_000).map(float), _load_case("running")),
     "in_flight": (st.integers(0, 10_000).map(float), _load_case("in_flight")),
     "kv": (st.integers(0, 1000).map(lambda k: k / 1000), _load_case("kv")),
+    "kv_headroom": (st.integers(0, 10_000).map(float), _tokens_case(capacity=10_000.0)),
+    "predicted_wait": (st.integers(0, 1_000_000).map(float), _tokens_case(speed=1000.0)),
     "prefix": (st.integers(0, len(BLOCKS)).map(lambda k: k / len(BLOCKS)), _prefix_case),
 }
 
@@ -123,8 +135,8 @@ def test_weights_are_checked_against_the_registry() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         merged_weights({"kv": -0.1})
     with pytest.raises(ValueError, match="load scorer"):
-        merged_weights({"queue": 0, "kv": 0, "running": 0, "in_flight": 0})
+        merged_weights({"queue": 0, "kv": 0, "kv_headroom": 0, "running": 0, "in_flight": 0, "predicted_wait": 0})
     assert merged_weights() == DEFAULT_WEIGHTS == {s.name: s.weight for s in SCORERS.values()}
-    built = build_scorers({"kv": 0})
-    assert [s.name for s, _ in built.load] == ["queue", "running", "in_flight"]
+    built = build_scorers({"kv_headroom": 0})
+    assert [s.name for s, _ in built.load] == ["queue", "running", "in_flight", "predicted_wait"]
     assert [(s.name, w) for s, w in built.request] == [("prefix", DEFAULT_WEIGHTS["prefix"])]

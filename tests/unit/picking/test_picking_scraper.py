@@ -31,6 +31,7 @@ class FakeVllm:
     peers: set[object] = field(default_factory=set)
     endpoint: Endpoint = UNSET  # set once the server listens
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    page: str | None = None  # served as is when set
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.requests += 1
@@ -42,6 +43,8 @@ class FakeVllm:
             return web.Response(status=500, text="engine dead")
         if self.mode == "empty":
             return web.Response(text="# nothing from vLLM here\nprocess_open_fds 3.0\n")
+        if self.page is not None:
+            return web.Response(text=self.page, content_type="text/plain")
         page = vllm_metrics_page(MODEL, waiting=self.waiting, running=(10.0, 10.0), kv=(0.5, 0.7))
         return web.Response(text=page, content_type="text/plain")
 
@@ -157,3 +160,34 @@ async def _until(condition: object, timeout: float = 3.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def _token_page(blocks: int, tokens: int) -> str:
+    return (f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 4\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 0\n'
+            f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n'
+            f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}} {tokens // 2}\n'
+            f'vllm:generation_tokens_total{{engine="0",model_name="{MODEL}"}} {tokens - tokens // 2}\n')
+
+
+async def test_capacity_is_read_rarely_and_speed_from_the_counters(servers: list[FakeVllm]) -> None:
+    fake = servers[0]
+    fake.page = _token_page(100, 0)
+    clock = SystemClock()
+    picker = Picker(clock)
+    picker.set_endpoints("llama", [fake.endpoint], served_name=MODEL)
+    scraper = Scraper(picker, clock, capacity_every=3)
+    try:
+        await scraper.scrape_once()
+        assert picker.signals(fake.endpoint).capacity == 1600
+        await asyncio.sleep(0.2)
+        fake.page = _token_page(200, 1000)  # a restart with a bigger cache, and tokens flowing
+        await scraper.scrape_once()
+        signals = picker.signals(fake.endpoint)
+        assert signals.capacity == 1600  # not read again yet
+        assert 1000 / 0.6 < signals.speed < 1000 / 0.19  # ~1000 tokens over ~0.2 s
+        await scraper.scrape_once()
+        await scraper.scrape_once()
+        assert picker.signals(fake.endpoint).capacity == 3200  # read again after `capacity_every` rounds
+    finally:
+        await scraper.stop()

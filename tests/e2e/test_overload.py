@@ -1,0 +1,159 @@
+"""Overload through real Envoy, ext_proc, xDS and a tiny simulator (256 tokens of KV), with the
+openai SDK: a request that does not fit waits in ext_proc and is served once room frees, still
+streaming chunk by chunk; a client that leaves while queued is dropped at once and every count
+returns to 0; a request that waits past the queue's TTL gets the JSON 429 with Retry-After."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.stack import Stack, running_stack, wait_until
+
+pytestmark = pytest.mark.e2e
+
+MSG = [{"role": "user", "content": "hello"}]
+KV_TOKENS = 16 * 16
+TTL = 1.5
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    def edit(data: dict[str, Any], _sims: object) -> None:
+        data["tenants"][0]["max_in_flight"] = 4
+        data["tenants"][0]["priorities_allowed"] = ["batch"]
+        data["queue"] = {"ttl_seconds": TTL, "retry_after_seconds": 2}
+        data["routing"] = {"scrape": {"interval_seconds": 0.2}}
+
+    run_dir: Path = tmp_path_factory.mktemp("overload")
+    # One backend with room for 256 tokens, at half speed: ~12 ms a token.
+    sim_args = ("--speed", "0.5", "--num-gpu-blocks", "16", "--block-size", "16", "--max-model-len", "256")
+    with running_stack(run_dir, backends=1, sim_args=sim_args, edit_config=edit) as s:
+        # The scraper has read the backend's KV capacity (vllm:cache_config_info).
+        wait_until(lambda: s.metric("modeldock_picker_kv_capacity_tokens") == KV_TOKENS, 15, what="KV capacity read")
+        yield s
+
+
+def _idle(stack: Stack) -> bool:
+    return (stack.in_flight() == 0 and stack.metric("modeldock_queue_length") == 0
+            and stack.metric("modeldock_admission_in_flight") == 0
+            and stack.metric("modeldock_picker_committed_tokens") == 0)
+
+
+class Stream(threading.Thread):
+    """One streamed completion in a thread: chunk arrival times and the text, or the error."""
+
+    def __init__(self, stack: Stack, max_tokens: int, timeout: float = 30.0) -> None:
+        super().__init__(daemon=True)
+        self.client = stack.openai(timeout=timeout)
+        self.max_tokens = max_tokens
+        self.sent = 0.0
+        self.times: list[float] = []
+        self.text = ""
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        self.sent = time.monotonic()
+        try:
+            stream = self.client.chat.completions.create(model="demo-model", messages=MSG, stream=True,
+                                                         max_tokens=self.max_tokens)
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    self.times.append(time.monotonic())
+                    self.text += chunk.choices[0].delta.content
+        except Exception as exc:  # noqa: BLE001 (recorded for the test to check)
+            self.error = exc
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_request_is_served_once_room_frees_and_streams_chunk_by_chunk(stack: Stack) -> None:
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    dispatched = stack.metric("modeldock_queue_dispatched_total")
+    first = Stream(stack, 40)  # ~45 tokens
+    first.start()
+    wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
+    second = Stream(stack, 230)  # ~235 tokens: 280 > 256, it waits
+    second.start()
+    wait_until(lambda: stack.metric("modeldock_queue_length") == 1, 5, what="second request queued")
+    assert stack.in_flight() == 1  # queued, not sent: nothing counted on the backend for it
+    first.join(20)
+    second.join(30)
+    assert first.error is None and second.error is None
+    assert stack.metric("modeldock_queue_dispatched_total") == dispatched + 1
+    # It waited for the first to end, then streamed: many chunks, spread over the generation.
+    assert second.times[0] >= first.times[-1]
+    assert len(second.times) >= 200
+    assert second.times[-1] - second.times[0] > 1.0
+    gaps = [b - a for a, b in zip(second.times, second.times[1:], strict=False)]
+    assert max(gaps) < 1.0
+    wait_until(lambda: _idle(stack), 10, what="every count back to 0")
+    log = (stack.run_dir / "extproc.log").read_text()
+    assert "in the queue of model demo-model" in log
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_while_queued_is_dropped_at_once(stack: Stack) -> None:
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    cancelled = stack.metric("modeldock_queue_cancelled_total")
+    first = Stream(stack, 200)  # ~2.4 s of generation
+    first.start()
+    wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
+    leaver = Stream(stack, 100, timeout=0.6)  # gives up while queued
+    leaver.start()
+    leaver.join(10)
+    assert isinstance(leaver.error, openai.APITimeoutError)
+    wait_until(lambda: stack.metric("modeldock_queue_cancelled_total") == cancelled + 1, 2,
+               what="the queue dropped the request")
+    assert stack.metric("modeldock_queue_length") == 0
+    assert stack.metric("modeldock_admission_in_flight") == 1  # the first one's slot only
+    assert first.is_alive() and stack.in_flight() == 1
+    first.join(20)
+    assert first.error is None
+    wait_until(lambda: _idle(stack), 10, what="every count back to 0")
+    backend = stack.sims[0].requests()
+    assert backend and not any((r["body"] or {}).get("max_tokens") == 100 for r in backend)  # never sent
+
+
+@pytest.mark.timeout(60)
+def test_ttl_expiry_gives_the_json_429_with_retry_after(stack: Stack) -> None:
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    first = Stream(stack, 200)
+    first.start()
+    wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
+    client = stack.openai()
+    started = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=100)
+    waited = time.monotonic() - started
+    assert TTL <= waited < TTL + 1.0
+    error = caught.value
+    assert error.status_code == 429
+    assert error.response.headers["retry-after"] == "2"
+    body = error.response.json()["error"]
+    assert body["code"] == "queue_timeout" and body["type"] == "rate_limit_error"
+    assert set(body) == {"message", "type", "param", "code"}
+    first.join(20)
+    assert first.error is None
+    wait_until(lambda: _idle(stack), 10, what="every count back to 0")
+
+
+@pytest.mark.timeout(30)
+def test_priority_header_reaches_ext_proc_and_never_the_backend(stack: Stack) -> None:
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    client = stack.openai()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=3,
+                                       extra_headers={"x-priority": "interactive"})
+    assert caught.value.response.json()["error"]["code"] == "priority_not_allowed"
+    reply = client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=7,
+                                           extra_headers={"x-priority": "batch"})
+    assert reply.choices[0].message.content
+    last = stack.sims[0].requests()[-1]
+    assert last["body"]["max_tokens"] == 7
+    assert not any(name.lower() == "x-priority" for name, _ in last["headers"])
