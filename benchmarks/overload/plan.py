@@ -58,14 +58,21 @@ class GatewayConfig:
     tenant_fields: bool = False
 
 
-# The lineup, in run order. Until the queue is in the main config, `queue` is the out-of-the-box
-# config, which is `noqueue`; once it lands, give it what the default leaves out (if anything),
-# e.g. extra={"queue": {"ttl_seconds": 2}} and tenant_fields=True.
+# The previous default, for comparison: no queue, no room-based saturation, the load weights it had.
+_BEFORE: dict[str, Any] = {"weights": {"kv": 0.3, "kv_headroom": 0.0, "predicted_wait": 0.0}}
+_NO_QUEUE: dict[str, Any] = {"queue": {"enabled": False}}
+
+# The lineup, in run order. Every contender gets the tenants' weights and classes (the fields are
+# read only by the queue).
 CONFIGS: tuple[GatewayConfig, ...] = (
-    GatewayConfig("noqueue", "today's default: no queue, no saturation limits, everything is sent"),
-    GatewayConfig("threshold", "shed with 429 when every endpoint shows waiting >= 1 or KV >= 92%",
-                  routing={"saturation": {"max_waiting": 1, "max_kv": 0.92}}),
-    GatewayConfig("queue", "the out-of-the-box config (no queue in it yet: the same as noqueue)"),
+    GatewayConfig("noqueue", "the previous default: no queue, no saturation limits, everything is sent",
+                  routing={**_BEFORE, "saturation": {"room": False}}, extra=_NO_QUEUE, tenant_fields=True),
+    GatewayConfig("threshold", "the previous default, shedding with 429 when every endpoint shows waiting >= 1 "
+                  "or KV >= 92%",
+                  routing={**_BEFORE, "saturation": {"room": False, "max_waiting": 1, "max_kv": 0.92}},
+                  extra=_NO_QUEUE, tenant_fields=True),
+    GatewayConfig("queue", "today's out-of-the-box config: saturation by room, the fair queue",
+                  tenant_fields=True),
 )
 
 

@@ -50,11 +50,17 @@ def test_each_tenant_has_its_own_key_hashed() -> None:
     assert all(t.key not in json.dumps(data) for t in TENANTS)
 
 
-def test_threshold_config_sets_saturation_and_noqueue_sets_nothing() -> None:
-    by_name = {c.name: c for c in CONFIGS}
-    assert gateway_config(by_name["threshold"], TENANTS, ENDPOINTS)["routing"] == {
-        "saturation": {"max_waiting": 1, "max_kv": 0.92}}
-    assert set(gateway_config(by_name["noqueue"], TENANTS, ENDPOINTS)) == {"tenants", "models"}
+def test_the_lineup_compares_the_previous_default_with_the_out_of_the_box_config() -> None:
+    by_name = {c.name: parse_config(gateway_config(c, TENANTS, ENDPOINTS)) for c in CONFIGS}
+    before, threshold, queue = by_name["noqueue"], by_name["threshold"], by_name["queue"]
+    for old in (before, threshold):  # the previous default: no queue, no room rule, the old weights
+        assert not old.queue.enabled and not old.routing.saturation.room
+        assert old.routing.weights["kv"] == 0.3 and old.routing.weights["kv_headroom"] == 0
+    assert (before.routing.saturation.max_waiting, before.routing.saturation.max_kv) == (None, None)
+    assert (threshold.routing.saturation.max_waiting, threshold.routing.saturation.max_kv) == (1, 0.92)
+    default = parse_config({"models": [{"name": "m", "endpoints": ENDPOINTS}]})
+    assert queue.queue == default.queue and queue.routing == default.routing  # nothing added to the default
+    assert queue.queue.enabled and queue.routing.saturation.room
 
 
 def test_queue_fields_pass_through() -> None:
