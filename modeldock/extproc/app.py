@@ -26,6 +26,7 @@ from modeldock.picking.factory import build_picker
 from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.picking.scrape import Scraper
 from modeldock.xds.client import AdsClient
+from modeldock.usage.log import UsageLog
 from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
@@ -107,9 +108,12 @@ class ExtProcServer:
             on_status=lambda stale: self.gateway.on_status(stale),
         )
         self.admission = Admission(config, self.clock, registry=self.registry)
-        self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for)
+        # Usage records (config `usage:`); raises UsageSinkError, naming the path, if they cannot be written.
+        self.usage = UsageLog.open(config.usage, self.clock, self.registry)
+        self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
+                               usage_log=self.usage)
         self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
-        self.attempts = AttemptLogServicer(self.servicer.retried)
+        self.attempts = AttemptLogServicer(self.servicer.retried, self.servicer.usage_reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self._server: grpc.aio.Server | None = None
@@ -152,6 +156,8 @@ class ExtProcServer:
             return
         if [m.name for m in config.models] != [m.name for m in self.gateway.config.models]:
             log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
+        if config.usage != self.gateway.config.usage:
+            log.warning("config reload: `usage:` changed; restart ext_proc to apply it")
         if grpc_receive_limit(config.limits.max_body_bytes) > self.receive_limit:
             log.warning("config reload: limits.max_body_bytes rose to %d; bodies above %d bytes need a "
                         "restart of ext_proc (its gRPC receive limit) and of Envoy (its buffer limit, "
@@ -174,13 +180,22 @@ class ExtProcServer:
             # (which Envoy never ends) must not hold the stop up for the whole grace period.
             while self.servicer.open_streams and not stopping.done():
                 await asyncio.sleep(0.05)
+            # The usage reports of the last streams come a few ms after they end: wait for them (bounded).
+            settlements = self.servicer.settlements
+            deadline = asyncio.get_running_loop().time() + settlements.grace
+            while len(settlements) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
             self.attempts.close()
             await stopping
+        self.servicer.settlements.flush()
+        await self.servicer.settlements.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.scraper.stop()
         await self.admission.close()
+        await self.gateway.budgets.close()
+        self.usage.close()  # after draining: every settled request's record is written
 
 
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:
