@@ -57,6 +57,10 @@ class ExtProcMetrics:
         self._by_outcome: dict[tuple[str, int], Counter] = {}  # labels() children, looked up once
         self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
         self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
+        self.pending_settlements = Gauge(
+            "modeldock_usage_pending_settlements",
+            "Ended requests waiting for Envoy's usage report (settled when it comes, or after ~2 s)",
+            registry=registry)
         self.retries = Counter("modeldock_retries_seen",
                                "Retries onto a fallback endpoint that Envoy reported (failures before the first byte)",
                                registry=registry)
@@ -116,6 +120,7 @@ class ExtProcServer:
         self.attempts = AttemptLogServicer(self.servicer.retried, self.servicer.usage_reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
+        self.metrics.pending_settlements.set_function(lambda: len(self.servicer.settlements))
         self._server: grpc.aio.Server | None = None
         # Fixed when the server is built: a reload cannot change it (see _watch_config).
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
