@@ -18,6 +18,7 @@ from modeldock.config import Config, ConfigError, load_config
 from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.flow import RequestFlow
 from modeldock.gateway import Gateway
+from modeldock.gateway.settlement import UsageReport
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.filewatch import FileWatch
@@ -60,6 +61,9 @@ class ExtProcMetrics:
         self.pending_settlements = Gauge(
             "modeldock_usage_pending_settlements",
             "Ended requests waiting for Envoy's usage report (settled when it comes, or after ~2 s)",
+            registry=registry)
+        self.usage_reports = Counter(
+            "modeldock_usage_reports", "Entries of Envoy's per-request usage log heard (every replica hears all)",
             registry=registry)
         self.retries = Counter("modeldock_retries_seen",
                                "Retries onto a fallback endpoint that Envoy reported (failures before the first byte)",
@@ -117,7 +121,7 @@ class ExtProcServer:
         self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
                                usage_log=self.usage)
         self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
-        self.attempts = AttemptLogServicer(self.servicer.retried, self.servicer.usage_reported)
+        self.attempts = AttemptLogServicer(self.servicer.retried, self._usage_reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self.metrics.pending_settlements.set_function(lambda: len(self.servicer.settlements))
@@ -146,6 +150,10 @@ class ExtProcServer:
         self._tasks.append(asyncio.create_task(self._serving_when_synced(), name="health"))
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",
                  self.options.host, self.bound_port, self.options.xds_target)
+
+    def _usage_reported(self, report: UsageReport) -> None:
+        self.metrics.usage_reports.inc()
+        self.servicer.usage_reported(report)
 
     async def _serving_when_synced(self) -> None:
         # Until the first endpoints arrive every request would get a 503: not ready yet.

@@ -318,3 +318,16 @@ def test_usage_records_match_the_backends_own_token_counters(env: Env) -> None:
     assert sum(r.prompt_tokens for r in records) == after[0] - before[0]
     assert sum(r.completion_tokens for r in records) == after[1] - before[1]
     assert json.loads(records[0].to_json())["v"] == 1
+
+
+def test_requests_that_need_no_usage_send_no_usage_report(env: Env, tmp_path: Path) -> None:
+    """Envoy's usage log is filtered on modeldock:usage: with no budget and records off, nothing is sent."""
+    assert sum(env.stack.metric_per_replica("modeldock_usage_reports_total")) > 0  # the main stack hears them
+    with running_stack(tmp_path / "plain", backends=1) as plain:
+        client = plain.openai()
+        client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=3)
+        assert list(client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=3, stream=True))
+        wait_until(lambda: plain.in_flight() == 0, 5, what="requests ended")
+        time.sleep(0.3)  # a report would come within ~20 ms of the end
+        assert plain.metric("modeldock_usage_reports_total") == 0
+        assert plain.metric("modeldock_usage_pending_settlements") == 0
