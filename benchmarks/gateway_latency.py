@@ -9,6 +9,11 @@ hits them alike:
   gateway        client -> Envoy + modeldock ext_proc (+ xDS) -> simulator
 floor vs gateway is what modeldock's own code costs; envoy vs floor is the price
 of any Python grpc.aio ext_proc on this design (one message per request).
+Token budgets and usage records, interleaved with the above (ext_proc CPU per request
+against `gateway`, a tenant with no budget and usage records off, as before them):
+  budgets-local  a tenant with tokens_per_minute on the same gateway (local windows)
+  budgets-redis  the same tenant on a second gateway whose budgets are in Redis
+  records        a tenant with no budget on a third gateway with usage records on
 Reports end-to-end p50/p99 of a one-token streamed completion at several
 concurrencies, ext_proc CPU-seconds per 1,000 requests (Envoy's for scale), and
 ext_proc RSS with 1,000 streams open.
@@ -36,7 +41,21 @@ from modeldock.bench import BenchOptions, run_benchmark  # noqa: E402
 from modeldock.bench.metrics import e2e  # noqa: E402
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap  # noqa: E402
 from modeldock.up import Child, Supervisor, free_port  # noqa: E402
+from modeldock.config import hash_key  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 from tests.support.stack import API_KEY, Stack, running_stack, wait_until  # noqa: E402
+
+BUDGET_KEY = "md-bench-budgeted-tenant-key"
+
+
+def _budgeted(usage_dir: Path | None = None) -> object:
+    """edit_config: a tenant with a (never binding) token budget; usage records into `usage_dir` if given."""
+    def edit(data: dict[str, object], _sims: object) -> None:
+        data["tenants"].append({"id": "budgeted", "api_key_hashes": [hash_key(BUDGET_KEY)],  # type: ignore[attr-defined]
+                                "models": ["demo-*"], "tokens_per_minute": 10**12, "tokens_per_day": 10**12})
+        if usage_dir is not None:
+            data["usage"] = {"path": str(usage_dir / "usage.jsonl")}
+    return edit
 
 
 ENVOY_ONLY = """
@@ -154,11 +173,18 @@ async def open_streams(url: str, count: int) -> tuple[aiohttp.ClientSession, lis
 
 async def main_async(args: argparse.Namespace) -> None:
     tiers = [int(c) for c in args.concurrency.split(",")]
+    sim_args = ("--speed", "1000", "--max-num-seqs", "2048", "--num-gpu-blocks", "200000")
+    redis = RedisServer()
+    redis.start()
     with tempfile.TemporaryDirectory() as tmp, running_stack(
-        Path(tmp) / "stack", backends=1,
-        sim_args=("--speed", "1000", "--max-num-seqs", "2048", "--num-gpu-blocks", "200000"),
-        log_level="info",
-    ) as stack:
+        Path(tmp) / "stack", backends=1, sim_args=sim_args, log_level="info", edit_config=_budgeted(),
+    ) as stack, running_stack(
+        Path(tmp) / "redis-stack", backends=1, sim_args=sim_args, log_level="info", edit_config=_budgeted(),
+        extproc_env={"REDIS_URL": redis.url},
+    ) as redis_stack, running_stack(
+        Path(tmp) / "records-stack", backends=1, sim_args=sim_args, log_level="info",
+        edit_config=_budgeted(Path(tmp)),
+    ) as records_stack:
         sim = stack.sims[0]
         envoy_port, envoy_admin = free_port(), free_port()
         plain = Path(tmp) / "plain.yaml"
@@ -173,12 +199,20 @@ async def main_async(args: argparse.Namespace) -> None:
                 "envoy": (f"http://127.0.0.1:{envoy_port}/v1", None),
                 "floor": (floor_url, None),
                 "gateway": (stack.base_url, API_KEY),
+                "budgets-local": (stack.base_url, BUDGET_KEY),
+                "budgets-redis": (redis_stack.base_url, BUDGET_KEY),
+                "records": (records_stack.base_url, API_KEY),
             }
             pids = {"extproc": pid_of(stack, "extproc"), "envoy": pid_of(stack, "envoy"),
+                    "extproc-redis": pid_of(redis_stack, "extproc"), "redis": redis.pid or 0,
+                    "extproc-records": pid_of(records_stack, "extproc"),
                     "envoy-plain": next(c.proc.pid for c in sup.children if c.name == "envoy-plain"),
                     "floor": floor_pid, "envoy-floor": floor_envoy_pid}
             # The processes whose CPU each path's requests are charged to.
-            charged = {"envoy": ("envoy-plain",), "floor": ("floor", "envoy-floor"), "gateway": ("extproc", "envoy")}
+            charged = {"envoy": ("envoy-plain",), "floor": ("floor", "envoy-floor"), "gateway": ("extproc", "envoy"),
+                       "budgets-local": ("budgets-local",), "budgets-redis": ("extproc-redis", "redis"),
+                       "records": ("extproc-records",)}
+            pids["budgets-local"] = pids["extproc"]  # the same process as `gateway`, charged apart
             samples: dict[tuple[str, int], list[float]] = {}
             errors: dict[str, int] = {name: 0 for name in paths}
             cpu: dict[tuple[str, int], float] = {}
@@ -210,6 +244,7 @@ async def main_async(args: argparse.Namespace) -> None:
             wait_until(lambda: stack.in_flight() == 0, 30, what="streams released")
         finally:
             sup.stop_all()
+            redis.close()
 
     rows = []
     for c in tiers:
@@ -231,6 +266,22 @@ async def main_async(args: argparse.Namespace) -> None:
                  f"{per_k[('envoy-plain', c)]:.3f}"] for c in tiers]
     total = {p: sum(v for (q, _), v in cpu.items() if q == p) / sum(sent.values()) * 1000
              for p in ("extproc", "floor", "envoy", "envoy-plain")}
+    def per_request_ms(process: str, c: int | None = None) -> float:
+        if c is None:
+            return sum(v for (q, _), v in cpu.items() if q == process) / sum(sent.values()) * 1000
+        return cpu[(process, c)] / sent[c] * 1000
+
+    budget_rows = []
+    for label, process in (("no budget, records off (gateway)", "extproc"),
+                           ("budgets, local windows", "budgets-local"),
+                           ("budgets, Redis windows", "extproc-redis"),
+                           ("no budget, usage records on", "extproc-records")):
+        cells = [f"{per_request_ms(process, c):.3f} ({per_request_ms(process, c) / per_request_ms('extproc', c):.2f}x)"
+                 for c in tiers]
+        overall = per_request_ms(process)
+        budget_rows.append([label, *cells, f"{overall:.3f} ({overall / per_request_ms('extproc'):.2f}x)",
+                            f"{overall / per_request_ms('floor'):.2f}x"])
+    redis_ms = per_request_ms("redis")
     body = "\n\n".join([
         "End-to-end latency of a one-token streamed chat completion, in ms as p50 / p99 (nearest rank), "
         f"{args.requests} requests per tier per round; tiers run one after another ({args.settle:g} s idle "
@@ -251,6 +302,14 @@ async def main_async(args: argparse.Namespace) -> None:
             [f"ext_proc RSS idle → with {int(streams_open)} streams open", f"{rss_idle:.0f} MB → {rss_open:.0f} MB"],
             ["errors (direct / Envoy / gateway)", f"{errors['direct']} / {errors['envoy']} / {errors['gateway']}"],
         ]),
+        "Token budgets and usage records: ext_proc CPU-milliseconds per request, and the ratio to the "
+        "no-budget path of the same run (the same requests, interleaved with the paths above). Budgeted "
+        "requests are streamed one-token completions, so each also asks the backend for usage (a body "
+        "rewrite) and is settled from Envoy's usage log. Targets: no-budget tenants within +10 % of "
+        "before (compare `÷ floor` with the modeldock ÷ floor figures of earlier runs), budgeted within +25 %.",
+        table(["path", *(f"c={c}" for c in tiers), "all tiers", "÷ floor"], budget_rows),
+        f"Redis server CPU per budgeted request: {redis_ms:.3f} ms. Errors: budgets local "
+        f"{errors['budgets-local']}, Redis {errors['budgets-redis']}, records {errors['records']}.",
     ])
     print(body)
     if not args.no_write:

@@ -42,9 +42,15 @@ def cmd_extproc(args: argparse.Namespace) -> int:
     from modeldock.extproc.app import ExtProcOptions, serve
 
     config = _load(args.config)
+    from modeldock.usage.writer import UsageSinkError
+
     options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config),
                              drain_delay=args.drain_delay, metrics_host=args.metrics_host)
-    asyncio.run(serve(config, options, args.metrics_port, args.grace))
+    try:
+        asyncio.run(serve(config, options, args.metrics_port, args.grace))
+    except UsageSinkError as exc:
+        print(f"modeldock extproc: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

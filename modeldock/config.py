@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from modeldock.flowcontrol.config import QueueConfig
 from modeldock.picking.registry import merged_weights
 from modeldock.types import Endpoint
+from modeldock.usage.config import UsageConfig
 
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
@@ -277,6 +278,8 @@ class Config(_Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     listener: ListenerConfig = ListenerConfig()
     queue: QueueConfig = QueueConfig()
+    # Per-request usage records (modeldock/usage/README.md); absent = none written.
+    usage: UsageConfig | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> Config:

@@ -11,9 +11,10 @@ from string import Template
 
 import yaml
 
+from modeldock.admission.budget_headers import LIMIT_TOKENS, REMAINING_TOKENS, RESET_TOKENS
 from modeldock.admission.headers import LIMIT, REMAINING, RESET
 from modeldock.config import ListenerConfig
-from modeldock.extproc.attempts import RID_HEADER
+from modeldock.extproc.attempts import RID_HEADER, USAGE_KEYS, USAGE_LOG_NAME, USAGE_NAMESPACE
 from modeldock.extproc.responses import local_reply_config
 from modeldock.xds.resources import ROUTE_NAMESPACE
 
@@ -82,6 +83,34 @@ def _attempt_loggers(count: int) -> str:
     } for i in range(count)])
 
 
+def _usage_loggers(count: int) -> str:
+    """HCM access logs: each request ext_proc marked `modeldock:usage` (a budget applies, or usage records
+    are on) is reported once, when it ends, to every replica (one cluster each, shared with the retry
+    log). Requests without the mark send nothing."""
+    return "".join("          - " + json.dumps({
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"metadata_filter": {
+            "matcher": {"filter": ROUTE_NAMESPACE, "path": [{"key": "usage"}], "value": {"present_match": True}},
+            "match_if_key_not_found": False}},
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": USAGE_LOG_NAME, "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": ATTEMPT_LOG_CLUSTER.format(i)}},
+                # At once: the replica is holding the request's settlement for it.
+                "buffer_size_bytes": 0, "buffer_flush_interval": "0.005s",
+            },
+        },
+    }) + "\n" for i in range(count)).rstrip("\n")
+
+
+def _usage_rules(sse: bool) -> str:
+    rules = [{"selectors": [{"key": "usage"}, {"key": key}],
+              "on_present": {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": "NUMBER"}}
+             for key in USAGE_KEYS]
+    return json.dumps([{"rule": r} for r in rules] if sse else rules)
+
+
 def _attempt_log_clusters(addresses: list[tuple[str, int]]) -> str:
     # One cluster per replica, so each one hears about every retry (the flow may be on any).
     return "".join("  - " + json.dumps({
@@ -96,7 +125,8 @@ def _attempt_log_clusters(addresses: list[tuple[str, int]]) -> str:
 
 def _ratelimit_headers() -> str:
     return json.dumps([{"header": {"key": name, "value": f"%DYNAMIC_METADATA({ROUTE_NAMESPACE}:{name})%"},
-                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} for name in (LIMIT, REMAINING, RESET)])
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                       for name in (LIMIT, REMAINING, RESET, LIMIT_TOKENS, REMAINING_TOKENS, RESET_TOKENS)])
 
 
 def _block(value: object, indent: int) -> str:
@@ -133,7 +163,8 @@ def render_bootstrap(options: BootstrapOptions) -> str:
         extproc_lb_endpoints=json.dumps(_lb_endpoints(extproc)),
         local_reply_config=_block(local_reply_config(options.buffer_limit), 10),
         attempt_loggers=_attempt_loggers(len(extproc)), attempt_log_clusters=_attempt_log_clusters(extproc),
-        ratelimit_headers=_ratelimit_headers(),
+        ratelimit_headers=_ratelimit_headers(), usage_loggers=_usage_loggers(len(extproc)),
+        usage_rules=_usage_rules(sse=False), usage_sse_rules=_usage_rules(sse=True),
     )
     text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
     yaml.safe_load(text)  # fail here, not in Envoy, if a value broke the YAML

@@ -50,6 +50,11 @@ def matching_budgets(per_model: Mapping[str, int], model: str) -> list[tuple[str
     return sorted((p, limit) for p, limit in per_model.items() if limit > 0 and fnmatch.fnmatchcase(model, p))
 
 
+def has_budgets(tenant: TenantConfig) -> bool:
+    """Whether any token budget is set for the tenant (a cheap check for the request path)."""
+    return bool(tenant.tokens_per_minute or tenant.tokens_per_day or tenant.tokens_per_minute_per_model)
+
+
 class Reservation:
     """One request's tokens, held from admission until `finish` (or settle/refund/charge_reserved).
 
@@ -83,6 +88,11 @@ class Reservation:
     def done(self) -> bool:
         return self.state != "held"
 
+    @property
+    def counted(self) -> bool:
+        """False when no budget applies to the request (nothing was reserved, nothing to settle)."""
+        return self._budgets is not None
+
     async def finish(self, *, reached_backend: bool, usage: Usage | None) -> None:
         """The settlement rule, in one place:
 
@@ -93,30 +103,45 @@ class Reservation:
         - reached a backend but usage is unknown (client gone mid-stream, stream cut,
           backend sent none): charge the reservation, which is the request's ceiling.
         """
+        await self._wait(self.finish_nowait(reached_backend=reached_backend, usage=usage))
+
+    def finish_nowait(self, *, reached_backend: bool, usage: Usage | None) -> asyncio.Task[None] | None:
+        """`finish` without waiting: the local windows change now, a shared (Redis) settlement runs in
+        the returned task (tracked by TokenBudgets, so `close` waits for it). For callers off the
+        request path (settlement from Envoy's access log) and for refunds in an error path."""
         if not reached_backend:
-            await self.refund()
-        elif usage is None:
-            await self.charge_reserved()
-        else:
-            await self.settle(usage.total)
+            return self._close_nowait("refunded", 0)
+        if usage is None:
+            return self._close_nowait("charged", self.cost)
+        return self._close_nowait("settled", max(usage.total, 0))
 
     async def settle(self, total: int) -> None:
-        await self._close("settled", max(total, 0))
+        await self._wait(self._close_nowait("settled", max(total, 0)))
 
     async def refund(self) -> None:
-        await self._close("refunded", 0)
+        await self._wait(self._close_nowait("refunded", 0))
+
+    def refund_nowait(self) -> None:
+        self._close_nowait("refunded", 0)
 
     async def charge_reserved(self) -> None:
-        await self._close("charged", self.cost)
+        await self._wait(self._close_nowait("charged", self.cost))
 
-    async def _close(self, state: State, amount: int) -> None:
+    def _close_nowait(self, state: State, amount: int) -> asyncio.Task[None] | None:
         if self.state != "held":
-            return
+            return None
         # Decided before any await, so concurrent callers cannot both settle.
         self.state = state
         self.charged = amount
-        if self._budgets is not None:
-            await self._budgets._settle(self, amount)
+        if self._budgets is None:
+            return None
+        return self._budgets._settle(self, amount)
+
+    @staticmethod
+    async def _wait(task: asyncio.Task[None] | None) -> None:
+        if task is not None:
+            # Shielded: a caller cancelled mid-call (its stream ended) does not cut the settlement.
+            await asyncio.shield(task)
 
 
 class _Throttle:
@@ -259,16 +284,18 @@ class TokenBudgets:
         for window in windows:
             await window.close()
 
-    async def _settle(self, reservation: Reservation, amount: int) -> None:
+    def _settle(self, reservation: Reservation, amount: int) -> asyncio.Task[None] | None:
         self._held.pop(reservation.request_id, None)
         self._local.settle(reservation._entry_id, reservation._keys, amount)
         redis = reservation._redis
         if redis is None:
-            return
+            return None
         # Its own task, so a caller cancelled mid-call (e.g. its stream ended) does not cut the settlement.
-        task = self._spawn(self._settle_shared(redis, reservation._entry_id, reservation._keys, amount))
-        if task is not None:
-            await asyncio.shield(task)
+        return self._spawn(self._settle_shared(redis, reservation._entry_id, reservation._keys, amount))
+
+    def held_count(self) -> int:
+        """Reservations not yet settled (for tests and shutdown checks)."""
+        return len(self._held)
 
     async def _settle_shared(
         self, redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]], amount: int

@@ -18,6 +18,7 @@ from modeldock.config import Config, ConfigError, load_config
 from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.flow import RequestFlow
 from modeldock.gateway import Gateway
+from modeldock.gateway.settlement import UsageReport
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.filewatch import FileWatch
@@ -27,6 +28,7 @@ from modeldock.picking.factory import build_picker
 from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.picking.scrape import Scraper
 from modeldock.xds.client import AdsClient
+from modeldock.usage.log import UsageLog
 from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
@@ -57,6 +59,13 @@ class ExtProcMetrics:
         self._by_outcome: dict[tuple[str, int], Counter] = {}  # labels() children, looked up once
         self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
         self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
+        self.pending_settlements = Gauge(
+            "modeldock_usage_pending_settlements",
+            "Ended requests waiting for Envoy's usage report (settled when it comes, or after ~2 s)",
+            registry=registry)
+        self.usage_reports = Counter(
+            "modeldock_usage_reports", "Entries of Envoy's per-request usage log heard (every replica hears all)",
+            registry=registry)
         self.retries = Counter("modeldock_retries_seen",
                                "Retries onto a fallback endpoint that Envoy reported (failures before the first byte)",
                                registry=registry)
@@ -108,12 +117,15 @@ class ExtProcServer:
             on_status=lambda stale: self.gateway.on_status(stale),
         )
         self.admission = Admission(config, self.clock, registry=self.registry)
+        # Usage records (config `usage:`); raises UsageSinkError, naming the path, if they cannot be written.
+        self.usage = UsageLog.open(config.usage, self.clock, self.registry)
         self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
-                               queue_metrics=QueueMetrics(self.registry))
+                               queue_metrics=QueueMetrics(self.registry), usage_log=self.usage)
         self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
-        self.attempts = AttemptLogServicer(self.servicer.retried)
+        self.attempts = AttemptLogServicer(self.servicer.retried, self._usage_reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
+        self.metrics.pending_settlements.set_function(lambda: len(self.servicer.settlements))
         self._server: grpc.aio.Server | None = None
         # Fixed when the server is built: a reload cannot change it (see _watch_config).
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
@@ -140,6 +152,10 @@ class ExtProcServer:
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",
                  self.options.host, self.bound_port, self.options.xds_target)
 
+    def _usage_reported(self, report: UsageReport) -> None:
+        self.metrics.usage_reports.inc()
+        self.servicer.usage_reported(report)
+
     async def _serving_when_synced(self) -> None:
         # Until the first endpoints arrive every request would get a 503: not ready yet.
         await self.xds.synced.wait()
@@ -154,6 +170,8 @@ class ExtProcServer:
             return
         if [m.name for m in config.models] != [m.name for m in self.gateway.config.models]:
             log.warning("config reload: the model list changed; restart the xDS server and ext_proc to apply it")
+        if config.usage != self.gateway.config.usage:
+            log.warning("config reload: `usage:` changed; restart ext_proc to apply it")
         if grpc_receive_limit(config.limits.max_body_bytes) > self.receive_limit:
             log.warning("config reload: limits.max_body_bytes rose to %d; bodies above %d bytes need a "
                         "restart of ext_proc (its gRPC receive limit) and of Envoy (its buffer limit, "
@@ -176,13 +194,22 @@ class ExtProcServer:
             # (which Envoy never ends) must not hold the stop up for the whole grace period.
             while self.servicer.open_streams and not stopping.done():
                 await asyncio.sleep(0.05)
+            # The usage reports of the last streams come a few ms after they end: wait for them (bounded).
+            settlements = self.servicer.settlements
+            deadline = asyncio.get_running_loop().time() + settlements.grace
+            while len(settlements) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
             self.attempts.close()
             await stopping
+        self.servicer.settlements.flush()
+        await self.servicer.settlements.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.scraper.stop()
         await self.admission.close()
+        await self.gateway.budgets.close()
+        self.usage.close()  # after draining: every settled request's record is written
 
 
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:

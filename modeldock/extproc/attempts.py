@@ -8,6 +8,11 @@ header `x-modeldock-rid`, since an upstream log entry carries no dynamic metadat
 and the endpoint the retry went to. Every ext_proc replica hears every entry and
 acts on the requests it holds: the in-flight count moves to where the request now is.
 The client's x-request-id is never the key: two live requests may share it.
+
+The same service also hears Envoy's per-request usage log (`log_name` USAGE_LOG_NAME, an HCM access
+log sent only for requests ext_proc marked `modeldock:usage`): one entry when the request ends, with
+the backend's `usage` copied into dynamic metadata by json_to_metadata / sse_to_metadata
+(`modeldock.usage`), read here into `UsageReport`s for the settlement (gateway/settlement.py).
 """
 
 from __future__ import annotations
@@ -18,11 +23,19 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from envoy.service.accesslog.v3 import als_pb2
 
+from modeldock.admission.tokens import Usage
+from modeldock.gateway.settlement import UsageReport
 from modeldock.types import Endpoint
+from modeldock.xds.resources import ROUTE_NAMESPACE
 
 SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 # The upstream request header that carries modeldock:rid (envoy/bootstrap.yaml, modeldock/envoy.py).
 RID_HEADER = "x-modeldock-rid"
+# The HCM access log that reports each request needing usage (modeldock/envoy.py), and the metadata
+# namespace Envoy's json_to_metadata / sse_to_metadata filters write the backend's usage into.
+USAGE_LOG_NAME = "modeldock_usage"
+USAGE_NAMESPACE = "modeldock.usage"
+USAGE_KEYS = ("prompt_tokens", "completion_tokens")
 
 
 def retried_attempts(message: als_pb2.StreamAccessLogsMessage) -> list[tuple[str, str]]:
@@ -36,9 +49,41 @@ def retried_attempts(message: als_pb2.StreamAccessLogsMessage) -> list[tuple[str
     return found
 
 
+def usage_reports(message: als_pb2.StreamAccessLogsMessage) -> list[UsageReport]:
+    """One `UsageReport` per entry of Envoy's usage log that names a request (modeldock:rid)."""
+    found = []
+    for entry in message.http_logs.log_entry:
+        common = entry.common_properties
+        metadata = common.metadata.filter_metadata
+        rid = ""
+        if ROUTE_NAMESPACE in metadata:
+            value = metadata[ROUTE_NAMESPACE].fields.get("rid")
+            rid = value.string_value if value is not None else ""
+        if not rid:
+            rid = entry.request.request_headers.get(RID_HEADER, "")
+        if not rid:
+            continue
+        usage = None
+        if USAGE_NAMESPACE in metadata:
+            fields = metadata[USAGE_NAMESPACE].fields
+            usage = Usage.from_mapping({k: fields[k].number_value for k in USAGE_KEYS
+                                        if k in fields and fields[k].WhichOneof("kind") == "number_value"})
+        socket = common.upstream_remote_address.socket_address
+        endpoint = Endpoint(socket.address, socket.port_value).address if socket.address and socket.port_value else ""
+        found.append(UsageReport(
+            rid=rid, usage=usage, reached_backend=entry.response.upstream_header_bytes_received > 0,
+            status=entry.response.response_code.value,
+            cancelled=common.response_flags.downstream_connection_termination,
+            endpoint=endpoint, attempts=common.upstream_request_attempt_count,
+        ))
+    return found
+
+
 class AttemptLogServicer:
-    def __init__(self, on_retry: Callable[[str, str], None]) -> None:
+    def __init__(self, on_retry: Callable[[str, str], None],
+                 on_usage: Callable[[UsageReport], None] | None = None) -> None:
         self._on_retry = on_retry
+        self._on_usage = on_usage
         self._closed = asyncio.Event()
         self.open_streams = 0
 
@@ -47,6 +92,7 @@ class AttemptLogServicer:
     ) -> als_pb2.StreamAccessLogsResponse:
         self.open_streams += 1
         closed = asyncio.ensure_future(self._closed.wait())
+        usage_log: bool | None = None  # which log this stream carries: its first message names it
         try:
             while True:
                 read = asyncio.ensure_future(context.read())
@@ -57,6 +103,13 @@ class AttemptLogServicer:
                 message = read.result()
                 if message is grpc.aio.EOF:
                     break
+                if usage_log is None:
+                    usage_log = message.identifier.log_name == USAGE_LOG_NAME
+                if usage_log:
+                    if self._on_usage is not None:
+                        for report in usage_reports(message):
+                            self._on_usage(report)
+                    continue
                 for request_id, address in retried_attempts(message):
                     self._on_retry(request_id, address)
         finally:

@@ -26,7 +26,7 @@ from modeldock.admission.limits import Ticket
 from modeldock.config import TenantConfig
 from modeldock.errors import BadRequest, Rejection
 from modeldock.extproc import responses
-from modeldock.gateway import MODELS_PATH, Gateway, Routed, check_route
+from modeldock.gateway import MODELS_PATH, Finished, Gateway, Routed, check_route
 from modeldock.gateway.request import RequestHead, head_from_attributes, read_head
 from modeldock.picking import Lease
 
@@ -107,12 +107,13 @@ class RequestFlow:
 
     async def _on_request_body(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         head = self.head = head_from_attributes(_attributes(request))
-        routed = self.routed = await self._gateway.route(head, request.request_body.body)
+        routed = self.routed = await self._gateway.route(head, request.request_body.body, self.rid)
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
         return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
                                             routed.route_metadata, rid=self.rid, tenant=routed.tenant.id,
-                                            upstream_auth=routed.upstream_auth)
+                                            upstream_auth=routed.upstream_auth, usage=routed.wants_usage,
+                                            drop_usage=routed.drop_usage)
 
     def _logged(self, rejection: Rejection) -> Rejection:
         """A refusal of the protocol's own (the director logs the rest)."""
@@ -152,6 +153,14 @@ class RequestFlow:
             return False
         self.served_by = routed.lease.endpoint.address
         return True
+
+    def finished(self) -> Finished | None:
+        """What settling this request needs, once its stream ended; None when it needs no usage."""
+        routed = self.routed
+        if routed is None or not routed.wants_usage:
+            return None
+        client_id = self.head.request_id if self.head is not None else ""
+        return Finished(routed, self.rid, client_id, 1 if self.retried else 0)
 
     @property
     def retried(self) -> bool:

@@ -56,7 +56,8 @@ def models_response(names: list[str]) -> ep.ProcessingResponse:
 
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
                        response_headers: Mapping[str, str] | None = None, *, rid: str = "",
-                       tenant: str = "", upstream_auth: tuple[str, str] | None = None) -> ep.ProcessingResponse:
+                       tenant: str = "", upstream_auth: tuple[str, str] | None = None, usage: bool = False,
+                       drop_usage: bool = False) -> ep.ProcessingResponse:
     """Send the request on: the cluster and endpoint list go to Envoy as dynamic metadata.
 
     With the header phase skipped, a body response cannot change request headers
@@ -67,6 +68,8 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
     `rid` (the gateway's key for the request) goes upstream as `x-modeldock-rid`, which is how
     Envoy's retry log names the request; `tenant` is for Envoy's access log. `upstream_auth`
     (header, value) is the model's backend credential, which Envoy sets after removing the client's.
+    `usage`: Envoy's usage access log reports this request back (`modeldock:usage`); `drop_usage`: the
+    gateway asked the backend for a usage chunk the client did not ask for, which Envoy's Lua filter drops.
     """
     response = ep.ProcessingResponse()
     common = response.request_body.response
@@ -82,6 +85,10 @@ def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, 
         route["rid"].string_value = rid
     if tenant:
         route["tenant"].string_value = tenant
+    if usage:
+        route["usage"].string_value = "1"
+        if drop_usage:
+            route["drop_usage"].string_value = "1"
     if response_headers:
         for key, value in response_headers.items():
             route[key].string_value = value

@@ -13,14 +13,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from modeldock.extproc.flow import RequestFlow
-from modeldock.gateway import Gateway
+from modeldock.gateway import Finished, Gateway
+from modeldock.gateway.settlement import GRACE_SECONDS, PendingSettlements, UsageReport
 
 log = logging.getLogger("modeldock.extproc")
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     def __init__(self, gateway: Gateway, on_finish: Callable[[RequestFlow, float], None] | None = None,
-                 on_retry: Callable[[RequestFlow], None] | None = None) -> None:
+                 on_retry: Callable[[RequestFlow], None] | None = None, *, settle_grace: float = GRACE_SECONDS,
+                 ) -> None:
         self._gateway = gateway
         self._on_finish = on_finish
         self._on_retry = on_retry
@@ -31,6 +33,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         # Keys unique across replicas and restarts: a random per-process prefix and a counter.
         self._key_prefix = secrets.token_hex(6) + "-"
         self._counter = itertools.count(1)
+        # Requests whose stream ended, waiting for Envoy's usage report (token budgets, usage records).
+        self.settlements: PendingSettlements[Finished] = PendingSettlements(
+            gateway.clock, gateway.settle, self._routed.__contains__, grace=settle_grace)
+
+    def usage_reported(self, report: UsageReport) -> None:
+        """Envoy's usage log entry for a request; acted on only by the replica holding it."""
+        self.settlements.reported(report)
 
     def retried(self, rid: str, address: str) -> None:
         """Envoy retried the request this replica keyed `rid` on `address`; ignored unless it is ours."""
@@ -70,8 +79,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             # Envoy ends the stream when the HTTP stream ends, including client
             # disconnects (the handler is then cancelled).
             self.open_streams -= 1
+            flow.finish()
             if registered:
                 del self._routed[rid]
-            flow.finish()
+                finished = flow.finished()
+                if finished is not None:
+                    self.settlements.ended(rid, finished)
+                else:
+                    self.settlements.forget(rid)
             if self._on_finish is not None:
                 self._on_finish(flow, time.perf_counter() - started)

@@ -17,17 +17,21 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
   7. prompt blocks   the prompt's block hashes, for prefix affinity; the queue class
                      (`x-priority`, 400 if the tenant may not use it); the token cost, once
   8. admission       in-flight slot and rate-limit windows (429 / 503)
+  8b. token budgets  reserve the estimated cost (`request_cost`) in every budget that applies
+                     (429 / 503); a streaming request that needs usage asks the backend for it
+                     (`stream_options.include_usage`, dropped again by Envoy if the client did not ask)
   9. pick + count    `Picker.pick(model, prefix, cost=...)`, synchronous, right after
                      admission; when every endpoint is saturated (or others already wait),
-                     the request waits in the model's flow-control queue holding its ticket,
-                     and is picked and counted in one synchronous step inside the queue's
-                     claim callback when room appears (a lease of the model released, a fresh
-                     sample: the picker's room listener). It leaves with 429 queue_full /
-                     queue_timeout, or at once when its client goes (the ticket is released).
+                     the request waits in the model's flow-control queue holding its ticket
+                     and reservation, and is picked and counted in one synchronous step inside
+                     the queue's claim callback when room appears (a lease of the model released,
+                     a fresh sample: the picker's room listener). It leaves with 429 queue_full /
+                     queue_timeout, or at once when its client goes (ticket released, tokens refunded).
+
+A reservation is refunded at once if the request is refused after it (pick, queue); otherwise it
+is settled once, from Envoy's access log, by `Gateway.settle` (settlement.py joins the two).
 
 Where later features go:
-  - token-budget reservation: inside admission (step 8), `Admission.admit` returns the
-    reservation on the Ticket, released with it;
   - an Endpoint-Picker protocol adapter (GIE's EPP): a second adapter beside extproc/flow.py
     that calls the same `route` and renders `Routed` in its own protocol.
 
@@ -38,22 +42,29 @@ the tenant and model when known; the adapter renders it (extproc/responses.py).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission, Ticket
+from modeldock.admission.tokens import BYTES_PER_TOKEN, Usage
+from modeldock.admission.tokens import estimate_cost as budget_cost
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
 from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
+from modeldock.gateway.settlement import UsageReport
 from modeldock.picking import Lease, Pick, Picker, Saturated
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.types import Endpoint
+from modeldock.usage.log import UsageLog
+from modeldock.usage.record import TokenSource, UsageRecord
 from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
@@ -80,6 +91,15 @@ class Routed:
     ticket: Ticket
     # (header, value) the gateway sends the backend (the model's `upstream_auth`); never in a repr or log.
     upstream_auth: tuple[str, str] | None = field(default=None, repr=False)
+    # Token budgets and usage: the reservation (None when no budget applies), whether Envoy's access log
+    # must bring the request's usage back (`modeldock:usage`), and whether Envoy drops the usage chunk
+    # the gateway asked the backend for (`modeldock:drop_usage`).
+    reservation: Reservation | None = None
+    wants_usage: bool = False
+    drop_usage: bool = False
+    served_model: str = ""
+    cost: int = 0  # estimated tokens (prompt + completion ceiling)
+    prompt_estimate: int = 0
 
     def release(self) -> None:
         """Idempotent: both parts ignore a second release."""
@@ -90,6 +110,36 @@ class Routed:
 def _release_pick(pick: Pick) -> None:
     """A pick the queue made for a waiter that was cancelled in the same instant."""
     pick.lease.release()
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A routed request whose stream ended, waiting for its usage (settlement.py)."""
+
+    routed: Routed
+    rid: str
+    client_request_id: str
+    retries: int
+
+
+def request_cost(data: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
+    """Tokens to reserve for a request: the one place the director estimates a request's cost."""
+    return budget_cost(data, body_bytes, reserve_completion_tokens)
+
+
+def ask_for_usage(data: dict[str, object]) -> bool:
+    """Make a streaming request ask the backend for its usage (the final chunk). True when the gateway
+    added it, so Envoy must drop that chunk: the client did not ask for it. A request that is not
+    streaming, that asks already, or whose `stream_options` is not an object is left as it is."""
+    if data.get("stream") is not True:
+        return False
+    options = data.get("stream_options")
+    if options is None:
+        data["stream_options"] = {"include_usage": True}
+        return True
+    if not isinstance(options, dict) or options.get("include_usage") is True:
+        return False
+    data["stream_options"] = {**options, "include_usage": True}
+    return True
 
 
 def check_route(head: RequestHead) -> None:
@@ -110,10 +160,17 @@ class Gateway:
         *,
         xds_down_for: Callable[[], float] = lambda: 0.0,
         queue_metrics: QueueMetrics | None = None,
+        budgets: TokenBudgets | None = None,
+        usage_log: UsageLog | None = None,
     ) -> None:
         self.clock = clock
         self.picker = picker
         self.admission = admission
+        self.budgets = budgets if budgets is not None else TokenBudgets(config, clock)
+        # Usage records on: every routed request needs its usage, budget or not.
+        self.usage_log = usage_log
+        self.records_on = usage_log is not None and usage_log.sink is not None
+        self._route_ids = itertools.count(1)  # reservation keys when the caller gives no request key
         self._xds_down_for = xds_down_for
         self.stale_models: frozenset[str] = frozenset()
         # The queue's settings apply from start; tenants' weights and classes follow reloads.
@@ -128,6 +185,7 @@ class Gateway:
         self.admission.reconfigure(config)
         if config.queue != self.queues.config:
             log.warning("config reload: `queue:` changed; restart ext_proc (and re-render Envoy's bootstrap) to apply it")
+        self.budgets.reconfigure(config)
         self._load(config)
 
     def _load(self, config: Config) -> None:
@@ -152,8 +210,9 @@ class Gateway:
 
     # -- the director ----------------------------------------------------
 
-    async def route(self, head: RequestHead, body: bytes) -> Routed:
-        """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses."""
+    async def route(self, head: RequestHead, body: bytes, rid: str = "") -> Routed:
+        """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses.
+        `rid` is the caller's key for the request (modeldock:rid), which its reservation is held under."""
         tenant: TenantConfig | None = None
         model: str | None = None
         try:
@@ -163,26 +222,76 @@ class Gateway:
             data = parse_body(body)
             model = str(data["model"])
             config = self.resolve_model(tenant, model)
-            new_body: bytes | None = None
-            if config.upstream_name != model:
+            rewrite = config.upstream_name != model
+            if rewrite:
                 data["model"] = config.upstream_name
-                new_body = json.dumps(data, separators=(",", ":")).encode()
             self.check_dispatchable(model)
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             klass = self.request_class(tenant, head)
             cost = estimate_cost(data, self.queues.config.default_max_tokens).total
             ticket = await self.admission.admit(tenant, model)
+            reservation: Reservation | None = None
+            reserved = 0
+            try:
+                if self.records_on or has_budgets(tenant):
+                    reserved = request_cost(data, len(body), self.config.limits.reserve_completion_tokens)
+                    reservation = await self.budgets.reserve(tenant, config.upstream_name, reserved,
+                                                             rid or f"route-{next(self._route_ids)}")
+            except BaseException:
+                ticket.release()
+                raise
             try:
                 pick = await self._pick(head, tenant, model, klass, prefix, cost)
             except BaseException:
                 ticket.release()  # timed out, shed, cancelled (the client left) or refused: nothing held
+                if reservation is not None:
+                    reservation.refund_nowait()  # refused after the reservation: give it all back
                 raise
         except Rejection as rejection:
             self._log_rejection(head, rejection, tenant, model)
             raise
+        wants_usage = self.records_on or (reservation is not None and reservation.counted)
+        drop_usage = wants_usage and ask_for_usage(data)
+        new_body = json.dumps(data, separators=(",", ":")).encode() if rewrite or drop_usage else None
+        metadata: Mapping[str, str] = ticket.headers
+        if reservation is not None and reservation.headers:
+            metadata = {**ticket.headers, **reservation.headers}
         return Routed(tenant, model, cluster_name(model), pick.endpoint_list, pick.primary, new_body,
-                      ticket.headers, pick.lease, ticket, upstream_auth)
+                      metadata, pick.lease, ticket, upstream_auth, reservation, wants_usage, drop_usage,
+                      config.upstream_name, reserved, min(reserved, -(-len(body) // BYTES_PER_TOKEN)))
+
+    def settle(self, done: Finished, report: UsageReport | None) -> None:
+        """Settle a finished request once, with Envoy's report of it (None: none came in time).
+
+        The rule (README "Token budgets"): usage reported -> charge exactly it; reached a backend but
+        usage unknown (client cancelled, stream cut, no report) -> charge the reservation; never reached
+        a backend -> refund. Then one usage record (and the token counters).
+        """
+        routed = done.routed
+        reached = report.reached_backend if report is not None else True
+        usage = report.usage if report is not None else None
+        if routed.reservation is not None:
+            routed.reservation.finish_nowait(reached_backend=reached, usage=usage)
+        if self.usage_log is None:
+            return
+        if usage is None:
+            # Estimated: the reservation's split when it reached a backend (what was charged), else nothing.
+            prompt = routed.prompt_estimate if reached else 0
+            usage = Usage(prompt, max(routed.cost - prompt, 0) if reached else 0)
+            source: TokenSource = "estimated"
+        else:
+            source = "reported"
+        retries = report.attempts - 1 if report is not None and report.attempts > 0 else done.retries
+        self.usage_log.emit(UsageRecord(
+            ts=self.clock.time(), request_id=done.rid, client_request_id=done.client_request_id,
+            tenant=routed.tenant.id, model=routed.model, served_model=routed.served_model,
+            endpoint=(report.endpoint if report is not None and report.endpoint else routed.lease.endpoint.address),
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            token_source=source,
+            status=report.status if report is not None else 0,
+            cancelled=report.cancelled if report is not None else False, retries=max(retries, 0),
+        ))
 
     def models(self, head: RequestHead) -> list[str]:
         """`GET /v1/models`: the model names the caller's tenant may use."""

@@ -258,7 +258,8 @@ def test_bootstrap_uses_one_catch_all_and_a_metadata_gated_route() -> None:
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == ["modeldock.strip_routing_headers", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
-                     "modeldock.route_from_metadata", "modeldock.forget_upstream_auth", "envoy.filters.http.router"]
+                     "modeldock.route_from_metadata", "modeldock.forget_upstream_auth", "modeldock.drop_usage_chunk",
+                     "modeldock.usage_from_json", "modeldock.usage_from_sse", "envoy.filters.http.router"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [("direct_response" in r, "dynamic_metadata" in r["match"]) for r in routes] == [
         (True, False), (False, True), (True, False)]

@@ -96,3 +96,30 @@ def make_gateway(config: Mapping[str, Any], endpoints: Mapping[str, Sequence[str
     for model, addresses in endpoints.items():
         gw.on_endpoints(model, tuple(Endpoint.parse(a) for a in addresses))
     return gw
+
+
+def usage_log_entry(msg: als_pb2.StreamAccessLogsMessage, *, rid: str | None, usage: Mapping[str, Any] | None = None,
+                    status: int = 200, upstream_header_bytes: int = 120, endpoint: str = "",
+                    attempts: int = 1, cancelled: bool = False) -> None:
+    """Append what Envoy's per-request usage log (HCM, log_name modeldock_usage) sends for one request:
+    all dynamic metadata (modeldock:rid, modeldock.usage from the json/sse filters) and the response."""
+    entry = msg.http_logs.log_entry.add()
+    entry.request.request_id = "client-id"
+    metadata = entry.common_properties.metadata.filter_metadata
+    if rid is not None:
+        metadata["modeldock"].CopyFrom(struct({"rid": rid, "usage": "1", "cluster": "model:m"}))
+    if usage is not None:
+        metadata["modeldock.usage"].CopyFrom(struct(usage))
+    entry.response.response_code.value = status
+    entry.response.upstream_header_bytes_received = upstream_header_bytes
+    entry.common_properties.upstream_request_attempt_count = attempts
+    entry.common_properties.response_flags.downstream_connection_termination = cancelled
+    if endpoint:
+        host, _, port = endpoint.rpartition(":")
+        entry.common_properties.upstream_remote_address.socket_address.address = host
+        entry.common_properties.upstream_remote_address.socket_address.port_value = int(port)
+
+
+def usage_log_message() -> als_pb2.StreamAccessLogsMessage:
+    return als_pb2.StreamAccessLogsMessage(identifier=als_pb2.StreamAccessLogsMessage.Identifier(
+        node=base_pb2.Node(id="envoy"), log_name="modeldock_usage"))

@@ -201,10 +201,13 @@ def running_stack(
         sup.start("xds", [*PY, "--log-level", log_level, "xds", "--config", str(config_path), "--port", str(xds_port),
                           "--metrics-port", str(xm), *xds_args])
         for i, (extproc_port, em) in enumerate(zip(extproc_ports, metrics_ports, strict=True)):
-            _start(sup, "extproc" if i == 0 else f"extproc-{i}",
+            name = "extproc" if i == 0 else f"extproc-{i}"
+            # Each replica its own usage-record file (usage.<replica>.jsonl), as pods would have.
+            replica_env = {**(extproc_env or {}), "MODELDOCK_REPLICA": name} if extproc_replicas > 1 else extproc_env
+            _start(sup, name,
                    [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
                     "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
-                    "--metrics-port", str(em), "--grace", "2", *extproc_args], extproc_env)
+                    "--metrics-port", str(em), "--grace", "2", *extproc_args], replica_env)
         bootstrap = run_dir / "envoy.yaml"
         bootstrap.write_text(render_bootstrap(BootstrapOptions(
             listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
