@@ -91,7 +91,7 @@ async def test_a_request_over_the_budget_gets_429_with_retry_after_and_holds_not
 async def test_a_request_refused_after_its_reservation_is_refunded_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     gw = gateway()
 
-    def refuse(*_args: Any) -> Any:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise Unavailable("no endpoint", code="no_endpoint")
 
     monkeypatch.setattr(gw.picker, "pick", refuse)
