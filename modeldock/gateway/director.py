@@ -132,8 +132,9 @@ class Gateway:
 
     # -- the director ----------------------------------------------------
 
-    async def route(self, head: RequestHead, body: bytes) -> Routed:
-        """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses."""
+    async def route(self, head: RequestHead, body: bytes, *, subset: frozenset[Endpoint] | None = None) -> Routed:
+        """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses.
+        `subset`: only these endpoints may serve it (a gateway's hint, modeldock/epp/)."""
         tenant: TenantConfig | None = None
         model: str | None = None
         try:
@@ -147,13 +148,13 @@ class Gateway:
             if config.upstream_name != model:
                 data["model"] = config.upstream_name
                 new_body = json.dumps(data, separators=(",", ":")).encode()
-            self.check_dispatchable(model)
+            self.check_dispatchable(model, subset)
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             ticket = await self.admission.admit(tenant, model)
             # No await from here on: pick and count happen in one step.
             try:
-                pick = self.picker.pick(model, prefix)
+                pick = self.picker.pick(model, prefix, subset=subset)
             except BaseException:
                 ticket.release()
                 raise
@@ -190,7 +191,7 @@ class Gateway:
     def visible_models(self, tenant: TenantConfig) -> list[str]:
         return [name for name in self._models if tenant.allows(name)]
 
-    def check_dispatchable(self, model: str) -> None:
+    def check_dispatchable(self, model: str, subset: frozenset[Endpoint] | None = None) -> None:
         """Raise 503 if no pick could succeed now."""
         if model in self.stale_models or self._xds_down_for() > self.stale_after:
             raise Unavailable(
@@ -198,7 +199,7 @@ class Gateway:
                 f"for over {self.stale_after:g}s, so the gateway is not dispatching. Retry shortly.",
                 code="endpoint_snapshot_stale",
             )
-        self.picker.require_endpoints(model)
+        self.picker.require_endpoints(model, subset=subset)
 
     def upstream_auth(self, model: str) -> tuple[str, str] | None:
         """(header, value) for the model's backends, None when it has no `upstream_auth`; 503 when its
