@@ -248,12 +248,16 @@ MESH_BOOTSTRAPS = Path(__file__).resolve().parents[1] / "e2e" / "mesh"
 
 
 def mesh_bootstrap(mesh: str, port: int, admin_port: int, epp_port: int, pool_ports: Sequence[int]) -> str:
-    """The Envoy config `mesh` generates (tests/e2e/mesh/), pointed at this machine's picker and pool."""
+    """The Envoy config `mesh` generates (tests/e2e/mesh/), pointed at this machine's picker and pool.
+    "envoy-gateway-buffered": the pool annotated `aigateway.envoyproxy.io/processing-body-mode: buffered`."""
     from string import Template
 
+    text = (MESH_BOOTSTRAPS / f"{mesh.removesuffix('-buffered')}.yaml").read_text()
+    if mesh.endswith("-buffered"):
+        text = text.replace("body_mode: FULL_DUPLEX_STREAMED", "body_mode: BUFFERED")
     pool = "[" + ", ".join("{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: %d}}}}" % p
                            for p in pool_ports) + "]"
-    return Template((MESH_BOOTSTRAPS / f"{mesh}.yaml").read_text()).substitute(
+    return Template(text).substitute(
         listen_port=port, admin_port=admin_port, epp_host="127.0.0.1", epp_port=epp_port, pool_lb_endpoints=pool)
 
 

@@ -19,7 +19,8 @@ from tests.support.stack import API_KEY, Sim, Stack, raw_request, running_stack,
 
 pytestmark = pytest.mark.timeout(180)
 MSG = [{"role": "user", "content": "hello there"}]
-GATEWAYS = ("envoy-gateway", "istio")
+# envoy-gateway-buffered: the pool's body mode annotation set to `buffered` (both bodies BUFFERED).
+GATEWAYS = ("envoy-gateway", "istio", "envoy-gateway-buffered")
 
 
 def _config(data: dict[str, Any], sims: list[Sim]) -> None:
@@ -82,6 +83,8 @@ def test_a_client_chosen_destination_header_is_not_honoured(stack: Stack) -> Non
 
 
 def test_a_client_disconnect_cancels_upstream_and_releases_the_count(stack: Stack) -> None:
+    if stack.mesh.endswith("-buffered"):  # type: ignore[attr-defined]
+        pytest.skip("a buffered response reaches the client only when it has ended")
     before = [s.stats()["cancelled"] for s in stack.sims]
     stream = stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=2000, stream=True)
     got = 0
