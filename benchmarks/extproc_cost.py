@@ -6,6 +6,9 @@ Four measurements in one run:
   floor1     the same for the one message Envoy sends modeldock (the body with attributes)
   modeldock  the real ExtProcServicer on that message (auth, parse, admission, pick, count, release)
   logic      RequestFlow alone, no gRPC (the domain work per request)
+  picker     picker mode (modeldock/epp/): PickerServicer on what a gateway's Envoy sends its endpoint
+             picker for one streamed completion (request headers, body, response headers, 16 SSE
+             chunks, all FULL_DUPLEX_STREAMED), and PickerFlow alone
 The servers run in a subprocess so their CPU is read from /proc apart from the client's.
 
     .venv/bin/python benchmarks/extproc_cost.py [--streams 3000]
@@ -26,7 +29,7 @@ import grpc  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
 
-from benchmarks._extproc import envoy_messages, response_headers_message  # noqa: E402
+from benchmarks._extproc import envoy_messages, picker_messages, response_headers_message  # noqa: E402
 from benchmarks._proc import cpu_seconds  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
@@ -47,14 +50,17 @@ def gateway() -> Gateway:
                         picker=lambda clock: build_picker(routing, clock, None))
 
 
-def messages(kind: str) -> list[ep.ProcessingRequest]:
+def messages(kind: str) -> list[tuple[ep.ProcessingRequest, int]]:
+    """The stream's messages, each with how many answers it gets."""
+    if kind == "picker":
+        return picker_messages("bench-key", "m")
     msgs = envoy_messages("bench-key", "m")
     if kind == "floor2":
-        return [*msgs, response_headers_message()]
-    return msgs
+        return [(m, 1) for m in [*msgs, response_headers_message()]]
+    return [(m, 1) for m in msgs]
 
 
-KINDS = ("floor2", "floor1", "modeldock")
+KINDS = ("floor2", "floor1", "modeldock", "picker")
 
 
 async def serve(kind: str) -> None:
@@ -71,9 +77,13 @@ async def serve(kind: str) -> None:
                     yield answers[request.WhichOneof("request")]
 
         servicer: ep_grpc.ExternalProcessorServicer = Floor()
+    elif kind == "picker":
+        from modeldock.epp import PickerServicer
+
+        servicer = PickerServicer(gateway())
     else:
         servicer = ExtProcServicer(gateway())
-    if kind == "modeldock":
+    if kind in ("modeldock", "picker"):
         from modeldock.extproc.app import freeze_startup_objects
 
         freeze_startup_objects()
@@ -94,9 +104,10 @@ async def drive(kind: str, port: int, pid: int, streams: int, concurrency: int) 
         async def one() -> None:
             t = time.perf_counter()
             call = stub.Process()
-            for m in msgs:
+            for m, answers in msgs:
                 await call.write(m)
-                await call.read()
+                for _ in range(answers):
+                    await call.read()
             await call.done_writing()
             lat.append(time.perf_counter() - t)
 
@@ -113,14 +124,16 @@ async def drive(kind: str, port: int, pid: int, streams: int, concurrency: int) 
     return lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.99)] * 1000, used / len(lat) * 1000
 
 
-def logic_cost(rounds: int) -> float:
+def logic_cost(rounds: int, kind: str = "modeldock") -> float:
+    from modeldock.epp import PickerFlow
+
     gw = gateway()
-    msgs = messages("modeldock")
+    msgs = [m for m, _ in messages(kind)]
 
     async def run() -> float:
         start = time.process_time()
         for _ in range(rounds):
-            flow = RequestFlow(gw)
+            flow: RequestFlow | PickerFlow = RequestFlow(gw) if kind == "modeldock" else PickerFlow(gw)
             for m in msgs:
                 await flow.handle(m)
             flow.finish()
@@ -153,9 +166,12 @@ def main() -> None:
             p.kill()
             p.wait()
     logic_ms = logic_cost(5000)
-    rows = []
+    picker_logic_ms = logic_cost(5000, "picker")
+    rows, picker_rows = [], []
     for c in (1, 16):
-        f2, f1, m = (min(results[(kind, c)], key=lambda r: r[2]) for kind in KINDS)
+        f2, f1, m, pk = (min(results[(kind, c)], key=lambda r: r[2]) for kind in KINDS)
+        picker_rows.append([c, f"{m[0]:.2f} / {m[1]:.2f}", f"{pk[0]:.2f} / {pk[1]:.2f}", f"{m[2]:.3f}",
+                            f"{pk[2]:.3f}", f"{pk[2] / m[2]:.1f}"])
         rows.append([c, f"{f2[0]:.2f} / {f2[1]:.2f}", f"{f1[0]:.2f} / {f1[1]:.2f}", f"{m[0]:.2f} / {m[1]:.2f}",
                      f"{f2[2]:.3f}", f"{f1[2]:.3f}", f"{f1[2] / f2[2]:.2f}", f"{m[2]:.3f}",
                      f"{(m[2] - f1[2]) / m[2] * 100:.0f}%"])
@@ -169,6 +185,16 @@ def main() -> None:
                "floor1 ÷ floor2 CPU", "modeldock server CPU ms/stream", "share of CPU that is modeldock logic"],
               rows),
         f"RequestFlow alone (no gRPC), one message + finish: **{logic_ms * 1000:.0f} µs CPU per request**.",
+        "Picker mode (modeldock/epp/, `modeldock extproc --picker`), side by side with modeldock's own bootstrap "
+        "in the same run: a gateway's Envoy sends its endpoint picker every phase, FULL_DUPLEX_STREAMED, so one "
+        "streamed completion is 19 messages and 20 answers here (request headers, body, response headers, 16 "
+        "SSE chunks echoed) against the bootstrap's 1 and 1. Latency is for the whole stream of messages.",
+        table(["concurrency", "bootstrap latency p50 / p99 ms", "picker latency p50 / p99 ms",
+               "bootstrap server CPU ms/request", "picker server CPU ms/request", "picker ÷ bootstrap CPU"],
+              picker_rows),
+        f"PickerFlow alone (no gRPC), those 19 messages + finish: **{picker_logic_ms * 1000:.0f} µs CPU per "
+        "request**. The rest is gRPC: every response chunk crosses the picker, so its cost grows with the "
+        "length of the answer (about the per-message cost of the floors above per SSE chunk).",
         "Reading: the gRPC transport costs several times modeldock's own logic, and it scales with the number "
         "of messages per stream, which is why modeldock authenticates from `request_attributes` on the body "
         "message and learns about retries from Envoy's access log instead of a response-headers message. "

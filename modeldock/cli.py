@@ -39,13 +39,20 @@ def cmd_xds(args: argparse.Namespace) -> int:
 
 
 def cmd_extproc(args: argparse.Namespace) -> int:
+    from modeldock.epp import PickerOptions
     from modeldock.extproc.app import ExtProcOptions, serve
 
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("modeldock extproc: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     config = _load(args.config)
     from modeldock.usage.writer import UsageSinkError
 
     options = ExtProcOptions(args.xds, args.host, args.port, config_path=Path(args.config),
-                             drain_delay=args.drain_delay, metrics_host=args.metrics_host)
+                             drain_delay=args.drain_delay, metrics_host=args.metrics_host,
+                             picker=PickerOptions(fallbacks=args.picker == "list") if args.picker else None,
+                             tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+                             tls_key=Path(args.tls_key) if args.tls_key else None)
     try:
         asyncio.run(serve(config, options, args.metrics_port, args.grace))
     except UsageSinkError as exc:
@@ -139,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--drain-delay", type=float, default=0.0,
                      help="on SIGTERM, report NOT_SERVING to gRPC health checks and keep taking new streams this "
                           "many seconds before draining, so Envoy moves new requests to other replicas (default 0)")
+    ext.add_argument("--picker", choices=["one", "list"],
+                     help="picker mode: be the Endpoint Picker of a Gateway API gateway's InferencePool "
+                          "(docs/mesh.md); answer one endpoint (an ORIGINAL_DST cluster: Envoy AI Gateway) or "
+                          "the ranked list with fallbacks (override_host: Istio)")
+    ext.add_argument("--tls-cert", help="serve gRPC over TLS with this PEM certificate (needs --tls-key)")
+    ext.add_argument("--tls-key", help="the PEM private key of --tls-cert")
     ext.set_defaults(func=cmd_extproc)
 
     env = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this control plane")

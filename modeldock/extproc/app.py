@@ -15,6 +15,8 @@ from pathlib import Path
 from modeldock.admission.limits import Admission
 from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ConfigError, load_config
+from modeldock.epp import PickerFlow, PickerOptions, PickerServicer
+from modeldock.epp.protocol import HEALTH_SERVICES
 from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.flow import RequestFlow
 from modeldock.gateway import Gateway
@@ -45,6 +47,11 @@ class ExtProcOptions:
     # draining, so Envoy's health checks move new requests to other replicas first.
     drain_delay: float = 0.0
     metrics_host: str | None = None  # default: `host`
+    # Picker mode (modeldock/epp/): speak GIE's Endpoint Picker protocol to a gateway's Envoy
+    # instead of answering modeldock's own bootstrap. None: the bootstrap's protocol.
+    picker: PickerOptions | None = None
+    tls_cert: Path | None = None  # serve gRPC over TLS (Envoy AI Gateway's picker cluster speaks only TLS)
+    tls_key: Path | None = None
 
 
 class ExtProcMetrics:
@@ -70,7 +77,7 @@ class ExtProcMetrics:
                                "Retries onto a fallback endpoint that Envoy reported (failures before the first byte)",
                                registry=registry)
 
-    def finished(self, flow: RequestFlow, seconds: float) -> None:
+    def finished(self, flow: RequestFlow | PickerFlow, seconds: float) -> None:
         key = (flow.outcome, flow.status)
         counter = self._by_outcome.get(key)
         if counter is None:
@@ -121,8 +128,13 @@ class ExtProcServer:
         self.usage = UsageLog.open(config.usage, self.clock, self.registry)
         self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
                                queue_metrics=QueueMetrics(self.registry), usage_log=self.usage)
-        self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
-        self.attempts = AttemptLogServicer(self.servicer.retried, self._usage_reported)
+        self.servicer: ExtProcServicer | PickerServicer
+        if options.picker is not None:
+            self.servicer = PickerServicer(self.gateway, options.picker, self.metrics.finished, self.metrics.retries.inc)
+            self.attempts = AttemptLogServicer(lambda _rid, _address: None)  # the gateway sends no retry log
+        else:
+            self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
+            self.attempts = AttemptLogServicer(self.servicer.retried, self._usage_reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self.metrics.pending_settlements.set_function(lambda: len(self.servicer.settlements))
@@ -131,7 +143,7 @@ class ExtProcServer:
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self.bound_port = 0
-        self.health = Health("envoy.service.ext_proc.v3.ExternalProcessor")
+        self.health = Health(*HEALTH_SERVICES) if options.picker else Health("envoy.service.ext_proc.v3.ExternalProcessor")
         self._draining = False
 
     async def start(self) -> None:
@@ -146,7 +158,12 @@ class ExtProcServer:
         self.attempts.add_to(self._server)
         self.health.add_to(self._server)
         await self.health.set_serving(False)
-        self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        address = f"{self.options.host}:{self.options.port}"
+        if self.options.tls_cert is not None and self.options.tls_key is not None:
+            credentials = grpc.ssl_server_credentials([(self.options.tls_key.read_bytes(), self.options.tls_cert.read_bytes())])
+            self.bound_port = self._server.add_secure_port(address, credentials)
+        else:
+            self.bound_port = self._server.add_insecure_port(address)
         await self._server.start()
         self._tasks.append(asyncio.create_task(self._serving_when_synced(), name="health"))
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",

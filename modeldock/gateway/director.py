@@ -210,9 +210,15 @@ class Gateway:
 
     # -- the director ----------------------------------------------------
 
+<<<<<<< HEAD
     async def route(self, head: RequestHead, body: bytes, rid: str = "") -> Routed:
         """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses.
         `rid` is the caller's key for the request (modeldock:rid), which its reservation is held under."""
+=======
+    async def route(self, head: RequestHead, body: bytes, *, subset: frozenset[Endpoint] | None = None) -> Routed:
+        """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses.
+        `subset`: only these endpoints may serve it (a gateway's hint, modeldock/epp/)."""
+>>>>>>> epp
         tenant: TenantConfig | None = None
         model: str | None = None
         try:
@@ -225,7 +231,12 @@ class Gateway:
             rewrite = config.upstream_name != model
             if rewrite:
                 data["model"] = config.upstream_name
+<<<<<<< HEAD
             self.check_dispatchable(model)
+=======
+                new_body = json.dumps(data, separators=(",", ":")).encode()
+            self.check_dispatchable(model, subset)
+>>>>>>> epp
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             klass = self.request_class(tenant, head)
@@ -234,10 +245,14 @@ class Gateway:
             reservation: Reservation | None = None
             reserved = 0
             try:
+<<<<<<< HEAD
                 if self.records_on or has_budgets(tenant):
                     reserved = request_cost(data, len(body), self.config.limits.reserve_completion_tokens)
                     reservation = await self.budgets.reserve(tenant, config.upstream_name, reserved,
                                                              rid or f"route-{next(self._route_ids)}")
+=======
+                pick = self.picker.pick(model, prefix, subset=subset)
+>>>>>>> epp
             except BaseException:
                 ticket.release()
                 raise
@@ -396,7 +411,7 @@ class Gateway:
     def visible_models(self, tenant: TenantConfig) -> list[str]:
         return [name for name in self._models if tenant.allows(name)]
 
-    def check_dispatchable(self, model: str) -> None:
+    def check_dispatchable(self, model: str, subset: frozenset[Endpoint] | None = None) -> None:
         """Raise 503 if no pick could succeed now."""
         if model in self.stale_models or self._xds_down_for() > self.stale_after:
             raise Unavailable(
@@ -404,7 +419,7 @@ class Gateway:
                 f"for over {self.stale_after:g}s, so the gateway is not dispatching. Retry shortly.",
                 code="endpoint_snapshot_stale",
             )
-        self.picker.require_endpoints(model)
+        self.picker.require_endpoints(model, subset=subset)
 
     def upstream_auth(self, model: str) -> tuple[str, str] | None:
         """(header, value) for the model's backends, None when it has no `upstream_auth`; 503 when its

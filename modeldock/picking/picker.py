@@ -178,20 +178,25 @@ class Picker:
 
     # -- picking ---------------------------------------------------------
 
-    def require_endpoints(self, model: str) -> tuple[Endpoint, ...]:
-        """The model's endpoints; 503 (counted as `no_endpoints`) when there are none."""
+    def require_endpoints(self, model: str, *, subset: frozenset[Endpoint] | None = None) -> tuple[Endpoint, ...]:
+        """The model's endpoints (only those in `subset`, a gateway's hint, when given); 503 (counted as
+        `no_endpoints`) when there are none."""
         candidates = self._ledger.endpoints(model)
+        if subset is not None:
+            candidates = tuple(e for e in candidates if e in subset)
         if not candidates:
             self._metrics.outcome["no_endpoints"].inc()
             raise Unavailable(f"No ready endpoints for model {model!r}.", code="no_ready_endpoints")
         return candidates
 
-    def pick(self, model: str, prefix: Sequence[int] = (), *, cost: int = 0) -> Pick:
+    def pick(self, model: str, prefix: Sequence[int] = (), *, cost: int = 0,
+             subset: frozenset[Endpoint] | None = None) -> Pick:
         """`prefix`: the prompt's block hashes (prefix.prompt_blocks), for prefix affinity;
-        `cost`: the request's estimated tokens, committed on the endpoint while the lease holds.
+        `cost`: the request's estimated tokens, committed on the endpoint while the lease holds;
+        `subset`: pick only among these endpoints (the endpoint picker protocol's subset hint).
         Raises `Saturated` (a 429/503 Rejection) when no candidate has room."""
         started = perf_counter()
-        candidates = self.require_endpoints(model)
+        candidates = self.require_endpoints(model, subset=subset)
         request = PickRequest(model, tuple(prefix), cost)
         ranked = self._scheduler.rank(request, candidates, 1 + self._fallbacks)
         if ranked is None:

@@ -178,8 +178,13 @@ def running_stack(
     extproc_env: Mapping[str, str] | None = None,
     extproc_args: Sequence[str] = (),
     log_level: str = "debug",
+    mesh: str | None = None,
 ) -> Iterator[Stack]:
     """`xds_args` are appended to the `modeldock xds` command line (e.g. `--kubeconfig PATH`).
+
+    `mesh` ("envoy-gateway" or "istio"): Envoy runs the config that gateway generates
+    (tests/e2e/mesh/<mesh>.yaml) and ext_proc runs in picker mode as its endpoint picker
+    (`--picker one` over TLS for Envoy Gateway, `--picker list` for Istio) instead of modeldock's bootstrap.
 
     `extproc_replicas` ext_proc processes run behind the one Envoy (replica 0 logs to extproc.log,
     replica i to extproc-i.log); `extproc_env` is added to their environment (e.g. REDIS_URL).
@@ -200,6 +205,7 @@ def running_stack(
         metrics_ports = [free_port() for _ in extproc_ports]
         sup.start("xds", [*PY, "--log-level", log_level, "xds", "--config", str(config_path), "--port", str(xds_port),
                           "--metrics-port", str(xm), *xds_args])
+        picker_args = _picker_args(run_dir, mesh) if mesh else []
         for i, (extproc_port, em) in enumerate(zip(extproc_ports, metrics_ports, strict=True)):
             name = "extproc" if i == 0 else f"extproc-{i}"
             # Each replica its own usage-record file (usage.<replica>.jsonl), as pods would have.
@@ -207,17 +213,20 @@ def running_stack(
             _start(sup, name,
                    [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
                     "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
-                    "--metrics-port", str(em), "--grace", "2", *extproc_args], replica_env)
+                    "--metrics-port", str(em), "--grace", "2", *picker_args, *extproc_args], replica_env)
         bootstrap = run_dir / "envoy.yaml"
-        bootstrap.write_text(render_bootstrap(BootstrapOptions(
-            listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
-            extproc_endpoints=tuple(f"127.0.0.1:{p}" for p in extproc_ports) if len(extproc_ports) > 1 else (),
-            buffer_limit=parsed.limits.max_body_bytes, listener=parsed.listener)))
+        if mesh:
+            bootstrap.write_text(mesh_bootstrap(mesh, port, admin_port, extproc_ports[0], [s.port for s in sims]))
+        else:
+            bootstrap.write_text(render_bootstrap(BootstrapOptions(
+                listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
+                extproc_endpoints=tuple(f"127.0.0.1:{p}" for p in extproc_ports) if len(extproc_ports) > 1 else (),
+                buffer_limit=parsed.limits.max_body_bytes, listener=parsed.listener)))
         sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id", "--log-level", "warn",
                             "--drain-time-s", "1", "--file-flush-interval-msec", "20"])  # the access log, at once
         stack = Stack(run_dir, sup, port, admin_port, metrics_ports[0], xm, config_path, sims,
                       extproc_metrics_ports=metrics_ports, extproc_ports=extproc_ports)
-        wait_until(lambda: _ready(stack, parsed), 30, what="Envoy clusters ready")
+        wait_until(lambda: _ready(stack, parsed, mesh=mesh is not None), 30, what="Envoy clusters ready")
         yield stack
     finally:
         sup.stop_all(timeout=5)
@@ -238,11 +247,47 @@ def _start(sup: Supervisor, name: str, cmd: list[str], env: Mapping[str, str] | 
     return child
 
 
-def _ready(stack: Stack, parsed: Any) -> bool:
+MESH_BOOTSTRAPS = Path(__file__).resolve().parents[1] / "e2e" / "mesh"
+
+
+def mesh_bootstrap(mesh: str, port: int, admin_port: int, epp_port: int, pool_ports: Sequence[int]) -> str:
+    """The Envoy config `mesh` generates (tests/e2e/mesh/), pointed at this machine's picker and pool.
+    "envoy-gateway-buffered": the pool annotated `aigateway.envoyproxy.io/processing-body-mode: buffered`."""
+    from string import Template
+
+    text = (MESH_BOOTSTRAPS / f"{mesh.removesuffix('-buffered')}.yaml").read_text()
+    if mesh.endswith("-buffered"):
+        text = text.replace("body_mode: FULL_DUPLEX_STREAMED", "body_mode: BUFFERED")
+    pool = "[" + ", ".join("{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: %d}}}}" % p
+                           for p in pool_ports) + "]"
+    return Template(text).substitute(
+        listen_port=port, admin_port=admin_port, epp_host="127.0.0.1", epp_port=epp_port, pool_lb_endpoints=pool)
+
+
+def _picker_args(run_dir: Path, mesh: str) -> list[str]:
+    """Envoy AI Gateway's picker cluster speaks only TLS (any certificate): a self-signed one."""
+    if mesh == "istio":
+        return ["--picker", "list"]
+    cert, key = run_dir / "picker.crt", run_dir / "picker.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=modeldock-picker.llm.svc", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return ["--picker", "one", "--tls-cert", str(cert), "--tls-key", str(key)]
+
+
+def _envoy_up(admin_url: str) -> bool:
+    try:
+        return urllib.request.urlopen(f"{admin_url}/ready", timeout=1).status == 200  # noqa: S310
+    except OSError:
+        return False
+
+
+def _ready(stack: Stack, parsed: Any, mesh: bool = False) -> bool:
     dead = stack.sup.exited()
     if dead is not None:
         raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
-    return envoy_ready(stack.admin_url, parsed) and all(_extproc_ready(stack, i) for i in range(len(stack.extproc_ports)))
+    envoy = _envoy_up(stack.admin_url) if mesh else envoy_ready(stack.admin_url, parsed)
+    return envoy and all(_extproc_ready(stack, i) for i in range(len(stack.extproc_ports)))
 
 
 def _extproc_ready(stack: Stack, replica: int) -> bool:

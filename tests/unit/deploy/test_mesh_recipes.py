@@ -210,8 +210,9 @@ def test_modeldock_discovers_the_pools_pods(gateway: str) -> None:
         assert len(port) == 1 and port[0]["targetPort"] in pool_ports
 
 
-def test_picker_commands_use_real_cli_flags_and_one_config() -> None:
-    deployment = find(recipe("istio"), "Deployment", "modeldock-picker")
+@pytest.mark.parametrize("gateway", GATEWAYS)
+def test_picker_commands_use_real_cli_flags_and_one_config(gateway: str) -> None:
+    deployment = find(recipe(gateway), "Deployment", "modeldock-picker")
     spec = deployment["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in [*spec["initContainers"], *spec["containers"]]}
     xds = parse_cli(command_line(containers["xds"])[1:])
@@ -221,7 +222,18 @@ def test_picker_commands_use_real_cli_flags_and_one_config() -> None:
     assert 0 < extproc.drain_delay + extproc.grace < spec["terminationGracePeriodSeconds"]
     holders = [n for n, c in containers.items() if any(m["name"] == "kube-api-access" for m in c["volumeMounts"])]
     assert holders == ["xds"], "only discovery gets API credentials"
-    role = find(recipe("istio"), "Role", "modeldock-picker-endpointslice-reader")
+    # Picker mode: one endpoint for Envoy AI Gateway's ORIGINAL_DST cluster, over TLS (its picker cluster
+    # speaks only TLS); the ranked list for Istio's override_host cluster, in plaintext HTTP/2.
+    if gateway == "envoy-gateway":
+        assert extproc.picker == "one"
+        mounts = {m["mountPath"]: m["name"] for m in containers["extproc"]["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for path in (extproc.tls_cert, extproc.tls_key):
+            volume = volumes[mounts[str(Path(path).parent)]]
+            assert volume["secret"]["secretName"] == "modeldock-picker-tls"
+    else:
+        assert (extproc.picker, extproc.tls_cert, extproc.tls_key) == ("list", None, None)
+    role = find(recipe(gateway), "Role", "modeldock-picker-endpointslice-reader")
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                               "verbs": ["list", "watch"]}]
 

@@ -1,0 +1,210 @@
+"""The Endpoint Picker adapter: one PickerFlow per ext_proc stream from a gateway's Envoy.
+
+The gateway (Envoy Gateway + Envoy AI Gateway, or Istio) sends every phase: request headers, the
+body in chunks (FULL_DUPLEX_STREAMED) or at once (BUFFERED), trailers, then the response's. The flow
+collects the body, calls the director (`Gateway.route`, the same call modeldock's own bootstrap
+makes) and renders `Routed` in the protocol: the destination in the `x-gateway-destination-endpoint`
+header and in `envoy.lb` metadata, the client's credential and routing headers removed. In
+FULL_DUPLEX_STREAMED the request-headers answer is held until the body is in, then sent with the
+body echoed after it; every response chunk is echoed as it comes. The served-endpoint report
+(Istio) moves the in-flight count; `finish()` releases what the request holds, once, when the
+stream ends (which the gateway makes the end of the HTTP stream: every phase is sent).
+
+Modes are read from the stream's first message (`protocol_config`, which Envoy 1.40 sends).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from modeldock.errors import PayloadTooLarge, Rejection, Unavailable
+from modeldock.extproc import responses
+from modeldock.gateway import MODELS_PATH, Finished, Gateway, Routed, check_route
+from modeldock.gateway.request import RequestHead, read_head
+from modeldock.epp import protocol
+from modeldock.types import Endpoint
+
+log = logging.getLogger("modeldock.epp")
+
+_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+_BUFFERED = (pm.ProcessingMode.BUFFERED, pm.ProcessingMode.BUFFERED_PARTIAL)
+_NONE: list[ep.ProcessingResponse] = []
+
+
+@dataclass(frozen=True)
+class PickerOptions:
+    # Answer the ranked list (primary, then fallbacks) instead of the primary alone. Only for a
+    # gateway that routes on envoy.lb metadata with override_host (Istio): an ORIGINAL_DST cluster
+    # (Envoy AI Gateway) takes exactly one ip:port from the header.
+    fallbacks: bool = False
+
+
+class Phase(Enum):
+    HEADERS = 1  # waiting for the request headers
+    BODY = 2  # collecting the body
+    ROUTED = 3  # answered with a destination; the response passes through
+    DONE = 4  # answered without one (an immediate response)
+
+
+class PickerFlow:
+    def __init__(self, gateway: Gateway, options: PickerOptions = PickerOptions(),
+                 on_retry: Callable[[], None] | None = None) -> None:
+        self._gateway = gateway
+        self._settled = False  # finish() settled the routed request's reservation
+        self._options = options
+        self._on_retry = on_retry
+        self._phase = Phase.HEADERS
+        self._duplex_request = self._duplex_response = True
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._names: list[str] = []
+        self._subset: frozenset[Endpoint] | None = None
+        self._asked = False  # the director was called (and logs its refusals)
+        self.head: RequestHead | None = None
+        self.routed: Routed | None = None
+        self.served_by = ""
+        self.outcome = "incomplete"
+        self.status = 0
+
+    async def handle(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """The answers to one message, in order; none while a FULL_DUPLEX_STREAMED body is coming in."""
+        kind = request.WhichOneof("request")
+        phase = self._phase
+        if phase is Phase.ROUTED:  # the hot path: response chunks
+            if kind == "response_body":
+                body = request.response_body
+                if self._duplex_response:
+                    return [protocol.echo_chunk(kind, body.body, body.end_of_stream)]
+                return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
+            if kind == "response_headers":
+                return [self._on_response_headers(request)]
+            return [responses.continue_other(request)]
+        try:
+            if phase is Phase.HEADERS and kind == "request_headers":
+                return await self._on_request_headers(request)
+            if phase is Phase.BODY and kind == "request_body":
+                body = request.request_body
+                self._add(body.body)
+                if body.end_of_stream or not self._duplex_request:
+                    return await self._route(trailers=False)
+                return _NONE
+            if phase is Phase.BODY and kind == "request_trailers":
+                return await self._route(trailers=True)
+            if phase is Phase.DONE:
+                return [responses.continue_other(request)]
+            raise Unavailable("The gateway sent the request out of order.", code="gateway_misconfigured",
+                              detail=f"{kind} in phase {phase.name}")
+        except Rejection as rejection:
+            self._phase = Phase.DONE
+            self._chunks = []  # nothing goes on: drop what was held
+            self.outcome, self.status = "rejected", rejection.status
+            if not self._asked:  # the director logs its own refusals
+                self._log(rejection)
+            return [responses.rejection_response(rejection)]
+
+    # -- request ---------------------------------------------------------
+
+    async def _on_request_headers(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if request.HasField("protocol_config"):
+            config = request.protocol_config
+            self._duplex_request = config.request_body_mode == _DUPLEX
+            self._duplex_response = config.response_body_mode == _DUPLEX
+            if not self._duplex_request and config.request_body_mode not in _BUFFERED:
+                raise Unavailable("The gateway is not set up to send request bodies.", code="gateway_misconfigured",
+                                  detail=f"request_body_mode {config.request_body_mode}")
+        pairs = protocol.header_pairs(request.request_headers)
+        head = self.head = read_head(pairs)
+        self._names = [k for k, _ in pairs]
+        hint = protocol.lb_value(request, protocol.SUBSET_KEY)
+        if hint is not None:
+            self._subset = protocol.endpoints_of(hint)
+            if not self._subset:
+                raise Unavailable("No endpoint the gateway allows for this request is ready. Retry shortly.",
+                                  code="no_ready_endpoints", detail="empty subset hint")
+        if head.path == MODELS_PATH:
+            self._asked = True
+            names = self._gateway.models(head)
+            self._phase = Phase.DONE
+            self.outcome, self.status = "models", 200
+            return [responses.models_response(names)]
+        check_route(head)  # 404 / 400 before any body is collected
+        if head.content_length is not None:
+            protocol_limit(head.content_length, self._gateway.max_body_bytes)
+        self._phase = Phase.BODY
+        if request.request_headers.end_of_stream:
+            return await self._route(trailers=False)  # no body: the director refuses it (400)
+        if self._duplex_request:
+            return _NONE  # the answer waits for the body: it carries the destination
+        return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+
+    def _add(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        protocol_limit(self._size, self._gateway.max_body_bytes)
+        self._chunks.append(chunk)
+
+    async def _route(self, *, trailers: bool) -> list[ep.ProcessingResponse]:
+        assert self.head is not None
+        body = b"".join(self._chunks)
+        self._chunks = []
+        self._asked = True
+        routed = self.routed = await self._gateway.route(self.head, body, subset=self._subset)
+        self._phase = Phase.ROUTED
+        self.outcome = "proxied"
+        destination = routed.endpoints if self._options.fallbacks else routed.primary.address
+        sent = routed.body if routed.body is not None else body
+        if not self._duplex_request:
+            return [protocol.routed_body(destination, routed.body, len(sent), self._names, routed.upstream_auth)]
+        out = [protocol.routed_headers(destination, len(sent), self._names, routed.upstream_auth)]
+        out.extend(protocol.streamed_chunks("request_body", sent, end_of_stream=not trailers))
+        if trailers:
+            out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+        return out
+
+    # -- response --------------------------------------------------------
+
+    def _on_response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        assert self.routed is not None
+        served = protocol.lb_value(request, protocol.SERVED_KEY)
+        if served is not None:
+            self.served_on(protocol.served_address(served))
+        return protocol.response_headers(self.routed.route_metadata)
+
+    def served_on(self, address: str) -> bool:
+        """The gateway reports `address` served the request: count it there (a retry moved it).
+        False when nothing moved."""
+        routed = self.routed
+        if routed is None or self._phase is not Phase.ROUTED or not routed.lease.move_to(address):
+            return False
+        self.served_by = routed.lease.endpoint.address
+        if self._on_retry is not None:
+            self._on_retry()
+        return True
+
+    def finish(self) -> None:
+        """The stream ended (the HTTP stream completed, failed or was cancelled). Idempotent."""
+        self._phase = Phase.DONE
+        self._chunks = []
+        if self.routed is not None and not self._settled:
+            self._settled = True
+            self.routed.release()
+            # A gateway it did not configure sends no usage report: a token reservation is charged
+            # whole and the usage record says `estimated` (docs/mesh.md).
+            client_id = self.head.request_id if self.head is not None else ""
+            self._gateway.settle(Finished(self.routed, f"epp-{id(self)}", client_id, 0), None)
+
+    def _log(self, rejection: Rejection) -> None:
+        rid = self.head.request_id if self.head and self.head.request_id else "-"
+        log.info("rejected request %s: %d %s%s", rid, rejection.status, rejection.code,
+                 f": {rejection.detail}" if rejection.detail else "")
+
+
+def protocol_limit(size: int, limit: int) -> None:
+    """413 as soon as the body (or its announced length) is over the limit: chunks are not buffered past it."""
+    if size > limit:
+        raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes.")
