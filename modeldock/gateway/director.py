@@ -210,15 +210,11 @@ class Gateway:
 
     # -- the director ----------------------------------------------------
 
-<<<<<<< HEAD
-    async def route(self, head: RequestHead, body: bytes, rid: str = "") -> Routed:
+    async def route(self, head: RequestHead, body: bytes, rid: str = "", *,
+                    subset: frozenset[Endpoint] | None = None) -> Routed:
         """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses.
-        `rid` is the caller's key for the request (modeldock:rid), which its reservation is held under."""
-=======
-    async def route(self, head: RequestHead, body: bytes, *, subset: frozenset[Endpoint] | None = None) -> Routed:
-        """Steps 1-9 of the module docstring; raises a Rejection, holding nothing, when one refuses.
+        `rid` is the caller's key for the request (modeldock:rid), which its reservation is held under;
         `subset`: only these endpoints may serve it (a gateway's hint, modeldock/epp/)."""
->>>>>>> epp
         tenant: TenantConfig | None = None
         model: str | None = None
         try:
@@ -231,12 +227,7 @@ class Gateway:
             rewrite = config.upstream_name != model
             if rewrite:
                 data["model"] = config.upstream_name
-<<<<<<< HEAD
-            self.check_dispatchable(model)
-=======
-                new_body = json.dumps(data, separators=(",", ":")).encode()
             self.check_dispatchable(model, subset)
->>>>>>> epp
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             klass = self.request_class(tenant, head)
@@ -245,19 +236,15 @@ class Gateway:
             reservation: Reservation | None = None
             reserved = 0
             try:
-<<<<<<< HEAD
                 if self.records_on or has_budgets(tenant):
                     reserved = request_cost(data, len(body), self.config.limits.reserve_completion_tokens)
                     reservation = await self.budgets.reserve(tenant, config.upstream_name, reserved,
                                                              rid or f"route-{next(self._route_ids)}")
-=======
-                pick = self.picker.pick(model, prefix, subset=subset)
->>>>>>> epp
             except BaseException:
                 ticket.release()
                 raise
             try:
-                pick = await self._pick(head, tenant, model, klass, prefix, cost)
+                pick = await self._pick(head, tenant, model, klass, prefix, cost, subset)
             except BaseException:
                 ticket.release()  # timed out, shed, cancelled (the client left) or refused: nothing held
                 if reservation is not None:
@@ -323,12 +310,12 @@ class Gateway:
     # -- the queue -------------------------------------------------------
 
     async def _pick(self, head: RequestHead, tenant: TenantConfig, model: str, klass: str,
-                    prefix: Sequence[int], cost: int) -> Pick:
+                    prefix: Sequence[int], cost: int, subset: frozenset[Endpoint] | None = None) -> Pick:
         """Pick + count at once when there is room and nobody waits; else wait in the queue."""
         queue = self.queues.waiting(model)
         if queue is None:
             try:
-                return self.picker.pick(model, prefix, cost=cost)  # the usual path: one call
+                return self.picker.pick(model, prefix, cost=cost, subset=subset)  # the usual path: one call
             except Saturated:
                 if not self.queues.config.enabled:
                     raise
@@ -336,7 +323,7 @@ class Gateway:
             behind = False
         else:
             behind = True  # others wait: join them (fair order), then let dispatch decide
-        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight, data=(prefix, cost))
+        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight, data=(prefix, cost, subset))
         if behind:
             self.dispatch(model)
         try:
@@ -378,9 +365,9 @@ class Gateway:
 
     def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
         """Pick and count for a queued request, or None: still no room."""
-        prefix, cost = item.data  # type: ignore[misc]
+        prefix, cost, subset = item.data  # type: ignore[misc]
         try:
-            return self.picker.pick(model, prefix, cost=cost)
+            return self.picker.pick(model, prefix, cost=cost, subset=subset)
         except Saturated:
             return None
 
