@@ -137,7 +137,9 @@ class ExtProcServer:
             self.attempts = AttemptLogServicer(self.servicer.retried, self._usage_reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
-        self.metrics.pending_settlements.set_function(lambda: len(self.servicer.settlements))
+        # Picker mode settles as each stream ends (no usage report from a gateway it did not configure).
+        self.settlements = self.servicer.settlements if isinstance(self.servicer, ExtProcServicer) else None
+        self.metrics.pending_settlements.set_function(lambda: len(self.settlements) if self.settlements else 0)
         self._server: grpc.aio.Server | None = None
         # Fixed when the server is built: a reload cannot change it (see _watch_config).
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
@@ -212,14 +214,16 @@ class ExtProcServer:
             while self.servicer.open_streams and not stopping.done():
                 await asyncio.sleep(0.05)
             # The usage reports of the last streams come a few ms after they end: wait for them (bounded).
-            settlements = self.servicer.settlements
-            deadline = asyncio.get_running_loop().time() + settlements.grace
-            while len(settlements) and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.02)
+            settlements = self.settlements
+            if settlements is not None:
+                deadline = asyncio.get_running_loop().time() + settlements.grace
+                while len(settlements) and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.02)
             self.attempts.close()
             await stopping
-        self.servicer.settlements.flush()
-        await self.servicer.settlements.stop()
+        if self.settlements is not None:
+            self.settlements.flush()
+            await self.settlements.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
