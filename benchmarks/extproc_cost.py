@@ -36,8 +36,8 @@ from modeldock.clock import SystemClock  # noqa: E402
 from modeldock.config import hash_key, parse_config  # noqa: E402
 from modeldock.extproc.app import build_picker  # noqa: E402
 from modeldock.extproc.flow import RequestFlow  # noqa: E402
-from modeldock.gateway import Gateway  # noqa: E402
 from modeldock.extproc.wire import add_servicer  # noqa: E402
+from modeldock.gateway import Gateway  # noqa: E402
 from tests.support.extproc_messages import make_gateway  # noqa: E402
 
 CONFIG = {"tenants": [{"id": "t", "api_key_hashes": [hash_key("bench-key")], "models": ["m"]}],

@@ -39,9 +39,9 @@ from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
 from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.bench import BenchOptions, run_benchmark  # noqa: E402
 from modeldock.bench.metrics import e2e  # noqa: E402
+from modeldock.config import hash_key  # noqa: E402
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap  # noqa: E402
 from modeldock.up import Child, Supervisor, free_port  # noqa: E402
-from modeldock.config import hash_key  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 from tests.support.stack import API_KEY, Stack, running_stack, wait_until  # noqa: E402
 

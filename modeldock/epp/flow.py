@@ -23,11 +23,11 @@ from enum import Enum
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from modeldock.epp import protocol
 from modeldock.errors import PayloadTooLarge, Rejection, Unavailable
 from modeldock.extproc import responses
 from modeldock.gateway import MODELS_PATH, Finished, Gateway, Routed, check_route
 from modeldock.gateway.request import RequestHead, read_head
-from modeldock.epp import protocol
 from modeldock.types import Endpoint
 
 log = logging.getLogger("modeldock.epp")

@@ -122,7 +122,8 @@ def lb_value(request: ep.ProcessingRequest, key: str) -> struct_pb2.Value | None
     lb = request.metadata_context.filter_metadata.get(LB_NAMESPACE)
     if lb is None or key not in lb.fields:
         return None
-    return lb.fields[key]
+    value: struct_pb2.Value = lb.fields[key]
+    return value
 
 
 def endpoints_of(value: struct_pb2.Value) -> frozenset[Endpoint]:

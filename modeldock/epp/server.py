@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -16,7 +17,8 @@ from modeldock.gateway import Gateway
 log = logging.getLogger("modeldock.epp")
 
 
-class PickerServicer(ep_grpc.ExternalProcessorServicer):
+# The generated servicer base is untyped (xds-protos ships no stubs).
+class PickerServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, gateway: Gateway, options: PickerOptions = PickerOptions(),
                  on_finish: Callable[[PickerFlow, float], None] | None = None,
                  on_retry: Callable[[], None] | None = None) -> None:
@@ -27,7 +29,7 @@ class PickerServicer(ep_grpc.ExternalProcessorServicer):
         self.open_streams = 0
 
     async def Process(  # noqa: N802 (gRPC name)
-        self, _requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext,
+        self, _requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         flow = PickerFlow(self._gateway, self._options, self._on_retry)
         started = time.perf_counter()

@@ -6,11 +6,10 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from pathlib import Path
 
 from modeldock.admission.limits import Admission
 from modeldock.clock import Clock, SystemClock
@@ -19,18 +18,18 @@ from modeldock.epp import PickerFlow, PickerOptions, PickerServicer
 from modeldock.epp.protocol import HEALTH_SERVICES
 from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.flow import RequestFlow
-from modeldock.gateway import Gateway
-from modeldock.gateway.settlement import UsageReport
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.filewatch import FileWatch
 from modeldock.flowcontrol import QueueMetrics
+from modeldock.gateway import Gateway
+from modeldock.gateway.settlement import UsageReport
 from modeldock.health import Health
 from modeldock.picking.factory import build_picker
-from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.picking.scrape import Scraper
-from modeldock.xds.client import AdsClient
+from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.usage.log import UsageLog
+from modeldock.xds.client import AdsClient
 from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")

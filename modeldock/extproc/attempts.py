@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2
@@ -88,7 +89,7 @@ class AttemptLogServicer:
         self.open_streams = 0
 
     async def StreamAccessLogs(  # noqa: N802 (gRPC name)
-        self, _messages: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext,
+        self, _messages: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         self.open_streams += 1
         closed = asyncio.ensure_future(self._closed.wait())

@@ -36,7 +36,7 @@ def json_response(status: int, payload: object, headers: Mapping[str, str] | Non
         mutation.set_headers.append(_header(key.lower(), value))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=mutation,
             body=json.dumps(payload, separators=(",", ":")).encode(),
             details=f"modeldock_{status}",

@@ -7,6 +7,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -19,7 +20,8 @@ from modeldock.gateway.settlement import GRACE_SECONDS, PendingSettlements, Usag
 log = logging.getLogger("modeldock.extproc")
 
 
-class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+# The generated servicer base is untyped (xds-protos ships no stubs).
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, gateway: Gateway, on_finish: Callable[[RequestFlow, float], None] | None = None,
                  on_retry: Callable[[RequestFlow], None] | None = None, *, settle_grace: float = GRACE_SECONDS,
                  ) -> None:
@@ -52,7 +54,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     async def Process(  # noqa: N802 (gRPC name)
         self,
         _requests: AsyncIterator[ep.ProcessingRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         # context.read()/write() rather than an async generator: one fewer
         # coroutine hop per message (benchmarks/extproc_cost.py).

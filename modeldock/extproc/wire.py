@@ -10,6 +10,8 @@ as usual. The fallback runs only for such requests.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -53,7 +55,8 @@ def parse_request(data: bytes) -> ep.ProcessingRequest:
         return ep.ProcessingRequest.FromString(data)
     except message.DecodeError:
         pass
-    lenient = _Lenient.FromString(data)  # every other field is kept as an unknown field
+    # A message class built at import time: the protobuf stubs cannot type its fields.
+    lenient: Any = _Lenient.FromString(data)  # every other field is kept as an unknown field
     attributes = {ns: {k: v.string_value.decode("utf-8", "replace") for k, v in struct.fields.items()}
                   for ns, struct in lenient.attributes.items()}
     lenient.ClearField("attributes")

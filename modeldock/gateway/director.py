@@ -47,6 +47,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
@@ -105,6 +106,10 @@ class Routed:
         """Idempotent: both parts ignore a second release."""
         self.lease.release()
         self.ticket.release()
+
+
+# What a queued request carries for its pick: prompt blocks, token cost, the gateway's subset hint.
+_Waiting = tuple[Sequence[int], int, frozenset[Endpoint] | None]
 
 
 def _release_pick(pick: Pick) -> None:
@@ -365,7 +370,7 @@ class Gateway:
 
     def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
         """Pick and count for a queued request, or None: still no room."""
-        prefix, cost, subset = item.data  # type: ignore[misc]
+        prefix, cost, subset = cast(_Waiting, item.data)
         try:
             return self.picker.pick(model, prefix, cost=cost, subset=subset)
         except Saturated:

@@ -15,8 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import json_format, message
 
 from modeldock.config import hash_key, parse_config
-from modeldock.types import Endpoint
 from modeldock.extproc.app import ExtProcOptions, ExtProcServer
+from modeldock.types import Endpoint
 from modeldock.xds.app import XdsOptions, XdsServer
 from tests.support.extproc_messages import ATTR, AUTH, body_request, headers_request, raw_headers, retry_report
 

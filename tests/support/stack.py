@@ -25,10 +25,9 @@ from typing import Any
 
 import yaml
 
-from modeldock.config import hash_key
+from modeldock.config import hash_key, parse_config
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
 from modeldock.up import Child, Supervisor, _die_with_parent, envoy_ready, free_port
-from modeldock.config import parse_config
 
 PY = [sys.executable, "-m", "modeldock"]
 API_KEY = "md-test-key-0123456789"

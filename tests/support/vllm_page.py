@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-
 # Bucket edges as vLLM (v1 engine, prometheus_client) exports them.
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -26,12 +26,11 @@ from tests.unit.extproc.flow_fuzz_setup import (
     LIMIT,
     RATELIMIT_HEADERS,
     STATUSES,
-    TENANTS,
     TENANT_OF,
+    TENANTS,
     VISIBLE,
 )
 from tests.unit.extproc.flow_fuzz_strategies import Expected, rejected
-
 
 # ---------------------------------------------------------------- invariants
 

@@ -18,7 +18,6 @@ from modeldock.gateway import Gateway
 from tests.support.extproc_messages import ATTR, body_request, headers_request, raw_headers, struct, with_attributes
 from tests.support.extproc_messages import make_gateway as support_gateway
 
-
 KEY, FREE_KEY = "k-fuzz-acme", "k-fuzz-free"
 TENANT_OF = {KEY: "acme", FREE_KEY: "free"}
 TENANTS = ("acme", "free")

@@ -18,8 +18,8 @@ from tests.unit.extproc.flow_fuzz_setup import (
     FREE_KEY,
     KEY,
     LIMIT,
-    TENANTS,
     TENANT_OF,
+    TENANTS,
     all_strings,
     body_msg,
     corrupt,
@@ -27,7 +27,6 @@ from tests.unit.extproc.flow_fuzz_setup import (
     decoded,
     reply_msg,
 )
-
 
 # ---------------------------------------------------------------- strategies
 

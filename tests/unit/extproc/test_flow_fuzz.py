@@ -47,17 +47,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeldock.extproc.flow import RequestFlow
-from tests.unit.extproc.flow_fuzz_setup import FUZZ, REDIS_MODES, FakeRedis, body_msg, make_gateway, seeds
-from tests.unit.extproc.flow_fuzz_strategies import (
-    Expected,
-    addresses,
-    good_request,
-    plausible_messages,
-    plausible_request,
-    random_message,
-    reports,
-    sequences,
-)
 from tests.unit.extproc.flow_fuzz_invariants import (
     Counted,
     assert_counts,
@@ -71,7 +60,17 @@ from tests.unit.extproc.flow_fuzz_invariants import (
     report_retry,
     until,
 )
-
+from tests.unit.extproc.flow_fuzz_setup import FUZZ, REDIS_MODES, FakeRedis, body_msg, make_gateway, seeds
+from tests.unit.extproc.flow_fuzz_strategies import (
+    Expected,
+    addresses,
+    good_request,
+    plausible_messages,
+    plausible_request,
+    random_message,
+    reports,
+    sequences,
+)
 
 # ---------------------------------------------------------------- RequestFlow directly
 

@@ -21,6 +21,25 @@ from modeldock.extproc.wire import add_servicer
 from modeldock.gateway import Gateway
 from modeldock.types import Endpoint
 from tests.support.extproc_messages import ATTR, AUTH
+from tests.unit.extproc.flow_fuzz_invariants import (
+    Counted,
+    add_retry_targets,
+    assert_counts,
+    assert_nothing_held,
+    attrs_of,
+    changes_nothing,
+    check_outcome,
+    check_response,
+    check_routed,
+    keys_only_in_authorization,
+    model_serving,
+    moved,
+    primary_of,
+    request_id_of,
+    rid_of,
+    tenant_of,
+    until,
+)
 from tests.unit.extproc.flow_fuzz_setup import (
     FREE_KEY,
     KEY,
@@ -34,26 +53,6 @@ from tests.unit.extproc.flow_fuzz_setup import (
     seeds,
 )
 from tests.unit.extproc.flow_fuzz_strategies import reports, wire_script
-from tests.unit.extproc.flow_fuzz_invariants import (
-    Counted,
-    assert_counts,
-    assert_nothing_held,
-    attrs_of,
-    changes_nothing,
-    check_outcome,
-    check_response,
-    check_routed,
-    keys_only_in_authorization,
-    add_retry_targets,
-    model_serving,
-    moved,
-    primary_of,
-    request_id_of,
-    rid_of,
-    tenant_of,
-    until,
-)
-
 
 # ---------------------------------------------------------------- through the real grpc.aio servicer
 

@@ -10,9 +10,8 @@ import pytest
 from modeldock.extproc.flow import RequestFlow
 from modeldock.types import Endpoint
 from tests.support.extproc_messages import AUTH
-from tests.unit.extproc.flow_fuzz_setup import FREE_KEY, KEY, body_msg, make_gateway, models_msg, reply_msg
 from tests.unit.extproc.flow_fuzz_invariants import add_retry_targets, assert_nothing_held, check_response
-
+from tests.unit.extproc.flow_fuzz_setup import FREE_KEY, KEY, body_msg, make_gateway, models_msg, reply_msg
 
 # ---------------------------------------------------------------- known bugs
 

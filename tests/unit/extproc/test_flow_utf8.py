@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeldock.extproc.wire import parse_request
-from tests.support.extproc_messages import struct
 from tests.unit.extproc.flow_fuzz_setup import FUZZ, all_strings, corrupt, corruptions, decoded
 from tests.unit.extproc.flow_fuzz_strategies import plausible_messages, random_message
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from modeldock.clock import FakeClock
-from modeldock.types import Endpoint
 from modeldock.picking import Picker, Sample
+from modeldock.types import Endpoint
 
 
 def endpoints(n: int) -> list[Endpoint]:

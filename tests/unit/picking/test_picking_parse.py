@@ -154,8 +154,8 @@ def test_junk_never_crashes(text: str) -> None:
 
 def test_endpoint_shared_by_two_models_is_read_whole() -> None:
     from modeldock.clock import FakeClock
-    from modeldock.types import Endpoint
     from modeldock.picking import Picker
+    from modeldock.types import Endpoint
 
     picker = Picker(FakeClock())
     shared, solo = Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80)

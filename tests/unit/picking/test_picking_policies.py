@@ -7,10 +7,10 @@ import pytest
 from picking_helpers import endpoints, observe
 
 from modeldock.clock import FakeClock
-from modeldock.types import Endpoint
 from modeldock.picking import Picker
 from modeldock.picking.scorers import Scorer
 from modeldock.picking.signals import Signals
+from modeldock.types import Endpoint
 
 MakePicker = Callable[..., Picker]
 

@@ -13,8 +13,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import SystemClock
-from modeldock.types import Endpoint
 from modeldock.picking import Picker, Scraper
+from modeldock.types import Endpoint
 from tests.support.vllm_page import vllm_metrics_page
 
 MODEL = "/models/meta-llama/Llama-3.3-70B-Instruct"

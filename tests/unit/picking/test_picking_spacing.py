@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from picking_helpers import endpoints, observe
 
 from modeldock.clock import FakeClock
-from modeldock.types import Endpoint
 from modeldock.picking import Lease, Picker, Sample
 from modeldock.picking.signals import correct
+from modeldock.types import Endpoint
 
 MakePicker = Callable[..., Picker]
 

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modeldock.clock import FakeClock
-from modeldock.types import Endpoint
 from modeldock.picking import Picker
 from modeldock.picking.prefix import BLOCK_CHARS, MAX_BLOCKS, OWNERS_PER_BLOCK, PrefixIndex, prompt_blocks
 from modeldock.picking.signals import Sample
+from modeldock.types import Endpoint
 
 A, B, C, D = (Endpoint("10.0.0.1", p) for p in (1, 2, 3, 4))
 SHARED = "system: you are a careful assistant. " * 60  # about 2,200 characters
