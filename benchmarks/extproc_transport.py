@@ -66,8 +66,9 @@ def _listener(name: str, port: int, cluster: str, extproc: str | None) -> dict[s
 
 
 def _cluster(name: str, port: int, h2: bool) -> dict[str, object]:
-    cluster: dict[str, object] = {"name": name, "type": "STATIC", "load_assignment": {"cluster_name": name, "endpoints": [
-        {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+    cluster: dict[str, object] = {"name": name, "type": "STATIC", "load_assignment": {
+        "cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]}}
     if h2:
         cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",

@@ -58,7 +58,7 @@ def _budgeted(usage_dir: Path | None = None) -> object:
     return edit
 
 
-ENVOY_ONLY = """
+ENVOY_ONLY = ("""
 admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
 static_resources:
   listeners:
@@ -85,8 +85,9 @@ static_resources:
     circuit_breakers: {{thresholds: [{{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}]}}
     load_assignment:
       cluster_name: sim
-      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {sim}}}}}}}}}]}}]
-"""
+      endpoints: [{{lb_endpoints: [{{endpoint: {{address: """
+              """{{socket_address: {{address: 127.0.0.1, port_value: {sim}}}}}}}}}]}}]
+""")
 
 
 async def serve_floor(route_to: str) -> None:

@@ -271,7 +271,8 @@ class AdsClient:
         asked_eds = False
         async with grpc.aio.insecure_channel(self.target, options=[("grpc.max_receive_message_length", -1)]) as ch:
             stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
-            call = stub.DeltaAggregatedResources(outgoing()) if self.delta else stub.StreamAggregatedResources(outgoing())
+            call = (stub.DeltaAggregatedResources(outgoing()) if self.delta
+                    else stub.StreamAggregatedResources(outgoing()))
             try:
                 async for resp in call:
                     if self.delta:
@@ -376,7 +377,8 @@ def kb(n: float) -> str:
 
 def report(sizes: list[SizeResult], cds: tuple[int, int], servers: list[ServerResult], changes: int) -> str:
     build = table(
-        ["endpoints", "full rebuild (new builder) ms", "one-model change ms", "one-model / full", "no-change rebuild ms"],
+        ["endpoints", "full rebuild (new builder) ms", "one-model change ms", "one-model / full",
+         "no-change rebuild ms"],
         [[f"{r.total:,}", ms(r.full_build), ms(r.one_model_build), f"{r.one_model_build / r.full_build:.3f}",
           ms(r.idle_build)] for r in sizes],
     )

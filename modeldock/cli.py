@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     xds.add_argument("--port", type=int, default=18000, help="ADS port (default 18000)")
     xds.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     xds.add_argument("--metrics-host", help="metrics listen address (default: --host)")
-    xds.add_argument("--kubeconfig", help="kubeconfig for Kubernetes discovery (default: in-cluster, then ~/.kube/config)")
+    xds.add_argument("--kubeconfig",
+                     help="kubeconfig for Kubernetes discovery (default: in-cluster, then ~/.kube/config)")
     xds.set_defaults(func=cmd_xds)
 
     ext = sub.add_parser("extproc", help="run the ext_proc service",

@@ -131,7 +131,8 @@ Preemptions: the simulators' `vllm:num_preemptions_total`, summed, before and af
         text += (f"\nTargets for `{TARGET_CONFIG}`: served >= {SERVED_MIN_PCT:g}% of offered: "
                  f"{mark(agg['served_pct'] is not None and agg['served_pct'] >= SERVED_MIN_PCT)} "
                  f"({pct(agg['served_pct'])}); served TTFT p95 <= {TTFT_P95_MAX_S * 1000:.0f} ms: "
-                 f"{mark(agg['ttft_p95'] is not None and agg['ttft_p95'] <= TTFT_P95_MAX_S)} ({ms(agg['ttft_p95'])} ms); "
+                 f"{mark(agg['ttft_p95'] is not None and agg['ttft_p95'] <= TTFT_P95_MAX_S)} "
+                 f"({ms(agg['ttft_p95'])} ms); "
                  f"preemptions <= {PREEMPTION_SHARE_MAX:g}x `{BASELINE}`: {mark(pre_ok)} "
                  f"({r['preemptions']:.0f} vs {base if base is not None else '-'}).\n")
     return text
@@ -220,6 +221,7 @@ def section_below(saved: dict[str, Any]) -> str:
             if res[n]["below"]["run"]["all"]["r429"]]
     shed_text = ("Below capacity, " + ", ".join(shed) + " of the requests with 429 (a config that sheds with room "
                  "left in the pool).\n") if shed else ""
+    idle_s = saved["args"].get("idle_s", 0)
     return f"""
 ### 4. Below capacity: {saved['args']['below']:g}x capacity for {saved['args']['below_s']:g} s
 
@@ -228,7 +230,7 @@ def section_below(saved: dict[str, Any]) -> str:
 
 The 90% interval is a bootstrap of the p95 over this run's requests: two configs whose intervals overlap are equal
 within noise. ext_proc CPU is user + system time of the ext_proc process from /proc (10 ms clock ticks): over the
-phase, minus what it used per second while idle ({saved['args'].get('idle_s', 0):g} s just before: scraping the backends'
+phase, minus what it used per second while idle ({idle_s:g} s just before: scraping the backends'
 /metrics, xDS) times the phase's length, divided by the requests offered. On a loaded 2-core machine this is
 noisy to some tens of percent; it is a ratio of two numbers measured minutes apart.
 

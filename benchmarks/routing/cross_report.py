@@ -65,7 +65,8 @@ def cross_table(cross: Cross) -> tuple[str, dict[str, Any]]:
     rows: list[list[object]] = [
         ["bench driver (even requests)", len(b_ttft),
          *[ms(bench[k]) + (f" [{ms(ci[k][0])}-{ms(ci[k][1])}]" if k in ci else "") for k in keys]],
-        ["openai SDK client (odd requests), vs bench", len(s_ttft), *[ms(sdk[k]) + rel(sdk[k], bench[k]) for k in keys]],
+        ["openai SDK client (odd requests), vs bench", len(s_ttft),
+         *[ms(sdk[k]) + rel(sdk[k], bench[k]) for k in keys]],
         ["both clients (all requests)", len(b_ttft) + len(s_ttft), *[ms(both[k]) for k in keys]],
         ["both clients, read through the histograms' buckets", len(b_ttft) + len(s_ttft),
          *[ms(both_b[k]) for k in keys]],
@@ -218,6 +219,8 @@ body parse and pick); at idle that is {ms(idle_ttfb)} ms on average.
         text, f = cross_table(cross)
         f["envoy_ttfb"] = statistics.fmean(cross.envoy_ttfb) if cross.envoy_ttfb else None
         f["envoy_ttfb_p95"] = nearest_rank(cross.envoy_ttfb, 95) if cross.envoy_ttfb else None
+        saturated_note = ("; the SDK client counts as saturated (p90 lag over 25 ms), so the simulators are compared "
+                          "with the bench half" if f["sdk_saturated"] else "")
         parts.append(f"""
 ### {cross.workload} ({cross.requests} requests)
 
@@ -229,7 +232,7 @@ finished requests. About {f['chunks_per_s']:.0f} SSE chunks/s reached the client
 driver {f['bench_cpu']:.0%} of a core, SDK client process {f['sdk_cpu']:.0%} (its import included), i.e. about
 {f['bench_us_per_chunk']:.0f} and {f['sdk_us_per_chunk']:.0f} µs per chunk received (request handling included);
 send lag p90 / max {ms(f['bench_late_p90'])} / {ms(f['bench_late'])} ms (bench) and {ms(f['sdk_late_p90'])} /
-{ms(f['sdk_late'])} ms (SDK){'; the SDK client counts as saturated (p90 lag over 25 ms), so the simulators are compared with the bench half' if f['sdk_saturated'] else ''}.
+{ms(f['sdk_late'])} ms (SDK){saturated_note}.
 
 Envoy's way in (request received → simulator's response headers) averaged {ms(f['envoy_ttfb'])} ms (p95
 {ms(f['envoy_ttfb_p95'])} ms) during this run, against {ms(idle_ttfb)} ms at idle.

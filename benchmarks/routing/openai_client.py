@@ -7,11 +7,12 @@ with httpx and parses the stream itself. It reads a plan (JSON) and writes the r
 
 PLAN: {"url", "model", "token", "start_unix", "speed", "timeout", "requests": [{"index", "at",
 "messages", "max_tokens"}, ...]}. OUT: {"results": [{"index", "ttft", "e2e", "error", "late"}, ...],
-"cpu_s": CPU seconds after the imports, "chunks": stream chunks received}. Request i is sent at start_unix + at / speed (wall clock, so two
-processes can share one schedule). TTFT = first chunk whose `choices[0].delta.content` is
-non-empty − the moment just before `create()` is called; E2E = the end of the stream (the SDK
-stops at `[DONE]`) − the same moment. Both are perf_counter() readings. A request that raised is
-reported by kind (HTTP status, timeout, transport, or the exception's type), with no times.
+"cpu_s": CPU seconds after the imports, "chunks": stream chunks received}. Request i is sent at
+start_unix + at / speed (wall clock, so two processes can share one schedule). TTFT = first
+chunk whose `choices[0].delta.content` is non-empty − the moment just before `create()` is
+called; E2E = the end of the stream (the SDK stops at `[DONE]`) − the same moment. Both are
+perf_counter() readings. A request that raised is reported by kind (HTTP status, timeout,
+transport, or the exception's type), with no times.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import openai
 CHUNKS = 0  # stream chunks received, for the CPU-per-chunk figure
 
 
-async def one(client: openai.AsyncOpenAI, model: str, req: dict[str, Any], start: float, speed: float) -> dict[str, Any]:
+async def one(
+    client: openai.AsyncOpenAI, model: str, req: dict[str, Any], start: float, speed: float
+) -> dict[str, Any]:
     global CHUNKS
     delay = start + req["at"] / speed - perf_counter()
     if delay > 0:

@@ -181,6 +181,7 @@ def routing_body(args: argparse.Namespace, workloads: Sequence[Workload], runs: 
         gain = (f" On `shared`, `default` reaches TTFT p95 {ms(d_sh.stat('ttft', 95))} ms against "
                 f"{ms(rr_sh.stat('ttft', 95))} ms for `round_robin`."
                 if d_sh is not None and rr_sh is not None else "")
+        shared_tokens = shared_w.params["groups"] * shared_w.params["prefix_tokens"]
         why += f"""
 
 **Prefix caching and `shared`: only `default` is prefix-aware.** It hashes the first blocks of each prompt
@@ -188,7 +189,7 @@ and prefers an endpoint that was sent the same beginning recently, within a load
 see modeldock/picking/README.md), so a group's requests mostly stay on the backends that hold its
 {shared_w.params['prefix_tokens']}-token prefix. The other policies rank by load only and spread each group over
 all {args.backends} backends, which then have to hold, or recompute, every group's prefix:
-{shared_w.params['groups']} × {shared_w.params['prefix_tokens']:,} = {shared_w.params['groups'] * shared_w.params['prefix_tokens']:,} tokens against
+{shared_w.params['groups']} × {shared_w.params['prefix_tokens']:,} = {shared_tokens:,} tokens against
 {args.num_gpu_blocks * 16:,} tokens of KV cache per backend, so prefixes keep evicting each other. Prefix hits:
 {hits}.{gain}{ref_text}"""
     wl_lines = "\n".join(f"- **{w.name}**: {w.description}; {len(w.requests)} requests over {w.duration:g} "
@@ -268,7 +269,8 @@ remains is the prefill of the burst's long prompts, which no placement shortens 
 prompt-size signal (estimated prompt tokens picked since each endpoint's last sample, as a scorer) was tried and
 left out: in quick runs of this workload, TTFT p95 was 159-160 ms at weights 0, 0.2 and 0.4 alike.""")
         elif w.name == "bursts":
-            out.append(f"""**Why `default` does not beat `round_robin` on `bursts`.** A burst's {w.params['size']} requests
+            out.append(f"""**Why `default` does not beat `round_robin` on `bursts`.** """
+                       f"""A burst's {w.params['size']} requests
 arrive within {w.params['spread_s'] * 1000 / args.speed:.0f} ms, i.e. as consecutive picks, and `round_robin` sends
 consecutive picks to consecutive backends: each backend gets its share of every burst (busiest backend's share
 {num(rr.diag('burst_max'), 2)} per burst vs {num(d.diag('burst_max'), 2)} for `default`, ideal
@@ -300,7 +302,8 @@ and p95 (`least_request` {lr_p95} ms). Prefix hits are about the same ({pct(d.hi
 recently picked endpoint, instead of at random, would give the load-aware policies round-robin's spacing when
 load cannot tell the endpoints apart.""")
         else:
-            out.append(f"**`default` did not beat `round_robin` on `{w.name}`** in this run; see the diagnostics above.")
+            out.append(f"**`default` did not beat `round_robin` on `{w.name}`** in this run; "
+                       "see the diagnostics above.")
     return "\n\n".join(out)
 
 

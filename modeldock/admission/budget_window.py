@@ -57,7 +57,10 @@ class TokenWindow:
         self._maybe_sweep(now)
         logs = [self._pruned(key, window, now) for key, _, window in limits]
         if logs and logs[0] is not None and entry_id in logs[0].by_id:
-            return [self._decision(log, limit, window, 0, True, now) for log, (_, limit, window) in zip(logs, limits)]
+            return [
+                self._decision(log, limit, window, 0, True, now)
+                for log, (_, limit, window) in zip(logs, limits, strict=True)
+            ]
         allowed = all(
             (log.total if log else 0) + cost <= limit for log, (_, limit, _w) in zip(logs, limits, strict=True)
         )

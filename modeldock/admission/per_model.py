@@ -59,6 +59,8 @@ class PerModelLimits:
         if found is not None:
             return found
         # Not a configured model (the gateway refuses those before admission): match the name itself.
-        limits = [n for pattern, n in tenant.requests_per_minute_per_model.items() if fnmatch.fnmatchcase(model, pattern)]
+        limits = [
+            n for pattern, n in tenant.requests_per_minute_per_model.items() if fnmatch.fnmatchcase(model, pattern)
+        ]
         return ModelLimit(model, min(limits, default=0))
 

@@ -16,10 +16,12 @@ from modeldock.gateway import Gateway
 
 log = logging.getLogger("modeldock.epp")
 
+_DEFAULT_OPTIONS = PickerOptions()  # frozen: one shared default is safe
+
 
 # The generated servicer base is untyped (xds-protos ships no stubs).
 class PickerServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, gateway: Gateway, options: PickerOptions = PickerOptions(),
+    def __init__(self, gateway: Gateway, options: PickerOptions = _DEFAULT_OPTIONS,
                  on_finish: Callable[[PickerFlow, float], None] | None = None,
                  on_retry: Callable[[], None] | None = None) -> None:
         self._gateway = gateway

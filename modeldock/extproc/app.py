@@ -129,7 +129,9 @@ class ExtProcServer:
                                queue_metrics=QueueMetrics(self.registry), usage_log=self.usage)
         self.servicer: ExtProcServicer | PickerServicer
         if options.picker is not None:
-            self.servicer = PickerServicer(self.gateway, options.picker, self.metrics.finished, self.metrics.retries.inc)
+            self.servicer = PickerServicer(
+                self.gateway, options.picker, self.metrics.finished, self.metrics.retries.inc
+            )
             self.attempts = AttemptLogServicer(lambda _rid, _address: None)  # the gateway sends no retry log
         else:
             self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
@@ -144,7 +146,9 @@ class ExtProcServer:
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self.bound_port = 0
-        self.health = Health(*HEALTH_SERVICES) if options.picker else Health("envoy.service.ext_proc.v3.ExternalProcessor")
+        self.health = (
+            Health(*HEALTH_SERVICES) if options.picker else Health("envoy.service.ext_proc.v3.ExternalProcessor")
+        )
         self._draining = False
 
     async def start(self) -> None:
@@ -161,7 +165,9 @@ class ExtProcServer:
         await self.health.set_serving(False)
         address = f"{self.options.host}:{self.options.port}"
         if self.options.tls_cert is not None and self.options.tls_key is not None:
-            credentials = grpc.ssl_server_credentials([(self.options.tls_key.read_bytes(), self.options.tls_cert.read_bytes())])
+            credentials = grpc.ssl_server_credentials(
+                [(self.options.tls_key.read_bytes(), self.options.tls_cert.read_bytes())]
+            )
             self.bound_port = self._server.add_secure_port(address, credentials)
         else:
             self.bound_port = self._server.add_insecure_port(address)

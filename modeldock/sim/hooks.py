@@ -99,4 +99,6 @@ async def read_json(request: web.Request) -> Any:
     try:
         return json.loads(await request.read() or b"null")
     except ValueError as exc:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {exc}"}), content_type="application/json")
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": f"invalid JSON: {exc}"}), content_type="application/json"
+        ) from exc

@@ -28,14 +28,17 @@ log = logging.getLogger("modeldock.xds")
 
 class XdsMetrics(StreamEvents):
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.clients = Gauge("modeldock_xds_connected_clients", "ADS streams served (not those held before the first list)",
-                             registry=registry)
+        self.clients = Gauge("modeldock_xds_connected_clients",
+                             "ADS streams served (not those held before the first list)", registry=registry)
         self.pushes = Counter("modeldock_xds_pushes", "ADS responses sent", ["type"], registry=registry)
-        self.resources = Counter("modeldock_xds_resources_pushed", "Resources sent in ADS responses", ["type"], registry=registry)
+        self.resources = Counter("modeldock_xds_resources_pushed", "Resources sent in ADS responses", ["type"],
+                                 registry=registry)
         self.nacks = Counter("modeldock_xds_nacks", "ADS responses rejected by a client", ["type"], registry=registry)
-        self.age = Gauge("modeldock_xds_snapshot_age_seconds", "Seconds since discovery confirmed a model", ["model"], registry=registry)
+        self.age = Gauge("modeldock_xds_snapshot_age_seconds", "Seconds since discovery confirmed a model", ["model"],
+                         registry=registry)
         self.endpoints = Gauge("modeldock_xds_endpoints", "Endpoints served per model", ["model"], registry=registry)
-        self.stale = Gauge("modeldock_xds_stale", "1 when a model's snapshot is past the cutoff", ["model"], registry=registry)
+        self.stale = Gauge("modeldock_xds_stale", "1 when a model's snapshot is past the cutoff", ["model"],
+                           registry=registry)
 
     def connected(self, delta: int) -> None:
         self.clients.inc(delta)
@@ -112,7 +115,8 @@ class XdsServer:
         await self.health.set_serving(False)
         self.bound_port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self._server.start()
-        log.info("xDS server listening on %s:%d (%d models)", self.options.host, self.bound_port, len(self.config.models))
+        log.info("xDS server listening on %s:%d (%d models)",
+                 self.options.host, self.bound_port, len(self.config.models))
         self.sources = sources_from_config(self.config, self.store, config_path=self.options.config_path,
                                            kubeconfig=self.options.kubeconfig)
         for source in self.sources:

@@ -106,7 +106,10 @@ class SotwStream(StreamBase):
                 self._events.nacked(type_url, pending.version, request.error_detail.message)
                 log.warning(
                     "NACK from %s for %s version %s: %s",
-                    self.node_id or self.peer, type_url.rsplit(".", 1)[-1], pending.version, request.error_detail.message,
+                    self.node_id or self.peer,
+                    type_url.rsplit(".", 1)[-1],
+                    pending.version,
+                    request.error_detail.message,
                 )
             else:
                 state.acked.update(pending.sent)

@@ -176,7 +176,9 @@ async def test_envoy_loads_cds_and_eds_and_acks_them(world: World) -> None:
     current = w.xds.cache.current
     await eventually(lambda: _acked_both(w), w)
     config = await w.get("/config_dump?include_eds")
-    clusters = {c["cluster"]["name"]: c["version_info"] for c in dump(config, "ClustersConfigDump")["dynamic_active_clusters"]}
+    clusters = {
+        c["cluster"]["name"]: c["version_info"] for c in dump(config, "ClustersConfigDump")["dynamic_active_clusters"]
+    }
     endpoints = {}
     for e in dump(config, "EndpointsConfigDump")["dynamic_endpoint_configs"]:
         cla = e["endpoint_config"]

@@ -116,7 +116,8 @@ async def test_stream_end_releases_in_flight_and_cancel_too(servers) -> None:
             await log.write(retry_report(("someone-else", endpoints[0])))
             await log.write(retry_report(("c-1", endpoints[0])))  # the client's id keys nothing
             await log.write(retry_report((rid, endpoints[1])))
-            await _wait(lambda: ext.picker.in_flight(Endpoint.parse(endpoints[1])) == 1)
+            other = Endpoint.parse(endpoints[1])
+            await _wait(lambda other=other: ext.picker.in_flight(other) == 1)
             assert ext.picker.total_in_flight() == 1
             assert ext.metrics.retries._value.get() == retries + 1
             await log.done_writing()

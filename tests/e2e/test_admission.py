@@ -354,7 +354,8 @@ def test_redis_killed_during_a_burst_every_answer_is_a_pass_or_a_clear_503(env: 
             raw = client.chat.completions.with_raw_response.create(model="demo-model", messages=MSG, max_tokens=1)
             return Outcome(raw.status_code, dict(raw.headers))
         except openai.APIStatusError as exc:
-            return Outcome(exc.status_code, dict(exc.response.headers), exc.body if isinstance(exc.body, dict) else None)
+            body = exc.body if isinstance(exc.body, dict) else None
+            return Outcome(exc.status_code, dict(exc.response.headers), body)
 
     with ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(one, i) for i in range(n)]

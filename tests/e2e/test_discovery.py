@@ -9,6 +9,7 @@ share of a handful of sequential requests.
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -89,7 +90,7 @@ def kube_stack(run_dir: Path, kube: FakeKubeServer, *, backends: int = 3, listed
             continue
         with exits:
             # One request through the whole chain before the test's own counting starts.
-            wait_until(lambda: serves(stack), 20, what="the gateway to serve a request")
+            wait_until(functools.partial(serves, stack), 20, what="the gateway to serve a request")
             yield stack
         return
 

@@ -57,7 +57,8 @@ async def test_metadata_picks_cluster_and_endpoint(rig: Rig) -> None:
         assert rig.upstream.received[-1].port == port
     # The routing headers never reach the upstream, whatever the client sent.
     rig.extproc.answer = route(f"127.0.0.1:{rig.ports[0]}")
-    r = await rig.post(headers=[("authorization", "Bearer k"), ("x-gateway-destination-endpoint", f"127.0.0.1:{rig.ports[1]}"),
+    r = await rig.post(headers=[("authorization", "Bearer k"),
+                                ("x-gateway-destination-endpoint", f"127.0.0.1:{rig.ports[1]}"),
                                 ("x-modeldock-cluster", "modeldock_extproc")])
     assert r.status_code == 200
     got = rig.upstream.received[-1]

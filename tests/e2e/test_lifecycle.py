@@ -144,7 +144,7 @@ def test_client_disconnect_cancels_upstream_fast(stack: Stack) -> None:
     closed = time.perf_counter()
     seen_at = None
     while time.perf_counter() - closed < 2:
-        if any(s.stats()["cancelled"] > b for s, b in zip(stack.sims, before)):
+        if any(s.stats()["cancelled"] > b for s, b in zip(stack.sims, before, strict=True)):
             seen_at = time.perf_counter() - closed
             break
         time.sleep(0.005)

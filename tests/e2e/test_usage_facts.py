@@ -106,7 +106,8 @@ def bootstrap(listen: int, admin: int, als: int, sim: int) -> dict[str, Any]:
         return out
 
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                 ".HttpConnectionManager",
         "stat_prefix": "usage", "preserve_external_request_id": True,
         "access_log": [{"name": "envoy.access_loggers.http_grpc", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",

@@ -116,7 +116,9 @@ class Upstream:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
-                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+                headers = {
+                    k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)
+                }
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 self.received.append(Received(time.monotonic(), port, headers, body))
                 mode = self.modes.get(port, "ok")
@@ -230,7 +232,9 @@ class Rig:
 
     async def post(self, body: bytes | None = BODY, headers: list[tuple[str, str | bytes]] | None = None,
                    path: str = "/v1/chat/completions", method: str = "POST") -> Reply:
-        pairs = [(k, v if isinstance(v, bytes) else v.encode()) for k, v in (headers or [("authorization", "Bearer k")])]
+        pairs = [
+            (k, v if isinstance(v, bytes) else v.encode()) for k, v in (headers or [("authorization", "Bearer k")])
+        ]
         return await http(self.listen, method, path, pairs, body)
 
 

@@ -6,6 +6,7 @@ stops them all and the fixtures call it in a finalizer.
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Set before anything imports grpc: see tests/conftest.py.
@@ -160,7 +161,7 @@ def start_sims(sup: Supervisor, count: int, sim_args: Sequence[str] = (), model:
         return sim.healthy()
 
     for sim in sims:
-        wait_until(lambda: healthy(sim), 20, what=f"simulator on {sim.port}")
+        wait_until(functools.partial(healthy, sim), 20, what=f"simulator on {sim.port}")
     return sims
 
 
@@ -257,7 +258,7 @@ def mesh_bootstrap(mesh: str, port: int, admin_port: int, epp_port: int, pool_po
     text = (MESH_BOOTSTRAPS / f"{mesh.removesuffix('-buffered')}.yaml").read_text()
     if mesh.endswith("-buffered"):
         text = text.replace("body_mode: FULL_DUPLEX_STREAMED", "body_mode: BUFFERED")
-    pool = "[" + ", ".join("{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: %d}}}}" % p
+    pool = "[" + ", ".join(f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}}}"
                            for p in pool_ports) + "]"
     return Template(text).substitute(
         listen_port=port, admin_port=admin_port, epp_host="127.0.0.1", epp_port=epp_port, pool_lb_endpoints=pool)

@@ -96,7 +96,7 @@ def test_a_client_disconnect_cancels_upstream_and_releases_the_count(stack: Stac
                 break
     assert stack.in_flight() == 1
     stream.close()
-    wait_until(lambda: any(s.stats()["cancelled"] > b for s, b in zip(stack.sims, before)), 5,
+    wait_until(lambda: any(s.stats()["cancelled"] > b for s, b in zip(stack.sims, before, strict=True)), 5,
                what="the backend saw the cancellation")
     wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count released")
 

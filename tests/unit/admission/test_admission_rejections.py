@@ -37,7 +37,9 @@ async def test_redis_down_fail_closed_is_a_503_with_retry_after_and_a_logged_rea
         await admission.close()
 
 
-async def test_redis_down_fail_open_logs_the_reason(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+async def test_redis_down_fail_open_logs_the_reason(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
     t = tenant(rpm=10)
     admission = Admission(config(t, redis_url=redis_server.url, redis_timeout_ms=300, redis_fail_open=True),
                           FakeClock())

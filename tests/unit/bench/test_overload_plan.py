@@ -3,6 +3,7 @@ seeded arrival schedules, the capacity window and the aggregation of outcomes. N
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 
@@ -107,7 +108,7 @@ def test_arrivals_rate_window_mix_and_indexes() -> None:
     assert {r.max_tokens for r in longs} == {300}
     assert {r.max_tokens for r in reqs if r.kind == "short"} == {16}
     assert all(10 <= r.prompt_tokens <= 20 and len(r.messages[0]["content"]) == 4 * r.prompt_tokens for r in reqs)
-    gaps = [b.at - a.at for a, b in zip(reqs, reqs[1:])]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(reqs)]
     assert abs(statistics.fmean(gaps) - 1 / 50) < 0.003  # exponential gaps of mean 1/rate
     assert len({r.messages[0]["content"][:16] for r in reqs}) == len(reqs)  # no shared prefix block
 

@@ -1,4 +1,7 @@
-"""The config's `listener:` section as rendered into the Envoy bootstrap (behaviour: tests/e2e/test_hardening_envoy.py)."""
+"""The config's `listener:` section as rendered into the Envoy bootstrap.
+
+The behaviour it configures: tests/e2e/test_hardening_envoy.py.
+"""
 
 from __future__ import annotations
 
@@ -67,8 +70,12 @@ def test_message_timeout_follows_the_queue_and_is_checked() -> None:
         parse_config({**models, "listener": {"ext_proc_message_timeout_seconds": 11}})
     with pytest.raises(ConfigError, match=r"listener\.request_timeout_seconds: 12s must exceed"):
         parse_config({**models, "listener": {"request_timeout_seconds": 12}})
-    config = parse_config({**models, "queue": {"ttl_seconds": 30}, "listener": {"ext_proc_message_timeout_seconds": 40}})
-    ext_proc = next(f for f in hcm(render(config.listener))["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    config = parse_config(
+        {**models, "queue": {"ttl_seconds": 30}, "listener": {"ext_proc_message_timeout_seconds": 40}}
+    )
+    ext_proc = next(
+        f for f in hcm(render(config.listener))["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
+    )
     assert ext_proc["typed_config"]["message_timeout"] == "40s"
 
 

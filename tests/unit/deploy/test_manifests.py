@@ -139,7 +139,8 @@ def gateway_config() -> Config:
 def static_cluster_port(name: str) -> tuple[str, int]:
     for cluster in bootstrap()["static_resources"]["clusters"]:
         if cluster["name"] == name:
-            socket = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+            endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            socket = endpoint["address"]["socket_address"]
             return socket["address"], int(socket["port_value"])
     raise AssertionError(f"no static cluster {name} in the Envoy bootstrap")
 

@@ -91,22 +91,23 @@ def test_every_document_is_valid(source: str, obj: Obj) -> None:
         assert obj["metadata"].get("namespace"), f"{source}: no namespace"
 
 
+def assert_closed(name: str, node: Any, where: str) -> None:
+    """Every object schema under `node` (in CRD file `name`) forbids unknown properties."""
+    if isinstance(node, dict):
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{name}: {where} is not closed"
+        for key, value in node.items():
+            assert_closed(name, value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            assert_closed(name, value, f"{where}[{i}]")
+
+
 def test_every_custom_kind_the_recipes_use_has_a_strict_schema() -> None:
     for path in CRDS.glob("*.json"):
         schema = json.loads(path.read_text(encoding="utf-8"))
         jsonschema.Draft202012Validator.check_schema(schema)
-
-        def strict(node: Any, where: str) -> None:
-            if isinstance(node, dict):
-                if node.get("type") == "object" and "properties" in node:
-                    assert node.get("additionalProperties") is False, f"{path.name}: {where} is not closed"
-                for key, value in node.items():
-                    strict(value, f"{where}.{key}")
-            elif isinstance(node, list):
-                for i, value in enumerate(node):
-                    strict(value, f"{where}[{i}]")
-
-        strict(schema, "$")
+        assert_closed(path.name, schema, "$")
     used = {(o["kind"], o["apiVersion"]) for _, o in DOCUMENTS if schema_for(o) is not None}
     assert {k for k, _ in used} == {"InferencePool", "HTTPRoute", "Gateway", "GatewayClass"}
 

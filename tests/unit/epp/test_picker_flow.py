@@ -66,7 +66,8 @@ def mutation(common: ep.CommonResponse) -> tuple[dict[str, str], list[str]]:
 
 
 def lb_destination(response: ep.ProcessingResponse) -> str:
-    return response.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+    lb = response.dynamic_metadata.fields["envoy.lb"].struct_value
+    return lb.fields["x-gateway-destination-endpoint"].string_value
 
 
 def error(response: ep.ProcessingResponse) -> tuple[int, dict[str, Any]]:
@@ -76,7 +77,11 @@ def error(response: ep.ProcessingResponse) -> tuple[int, dict[str, Any]]:
 
 
 def streamed(responses: Sequence[ep.ProcessingResponse], kind: str = "request_body") -> tuple[bytes, bool]:
-    parts = [getattr(r, kind).response.body_mutation.streamed_response for r in responses if r.WhichOneof("response") == kind]
+    parts = [
+        getattr(r, kind).response.body_mutation.streamed_response
+        for r in responses
+        if r.WhichOneof("response") == kind
+    ]
     return b"".join(p.body for p in parts), parts[-1].end_of_stream
 
 

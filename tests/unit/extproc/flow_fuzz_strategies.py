@@ -147,8 +147,9 @@ def bodies(draw: st.DrawFn) -> bytes:
 random_message = st.one_of(
     st.builds(lambda h, e, a: with_attributes(headers_request(h, end_of_stream=e), a),
               st.lists(header_value(), max_size=8), st.booleans(), attributes()),
-    st.builds(lambda b, e, a: with_attributes(ep.ProcessingRequest(request_body=ep.HttpBody(body=b, end_of_stream=e)), a),
-              bodies(), st.booleans(), attributes()),
+    st.builds(
+        lambda b, e, a: with_attributes(ep.ProcessingRequest(request_body=ep.HttpBody(body=b, end_of_stream=e)), a),
+        bodies(), st.booleans(), attributes()),
     st.builds(lambda h, a: with_attributes(headers_request(h, end_of_stream=False, field="response_headers"), a),
               st.lists(header_value(), max_size=4), attributes()),
     st.builds(lambda b, e: ep.ProcessingRequest(response_body=ep.HttpBody(body=b, end_of_stream=e)),
@@ -262,8 +263,8 @@ def plausible_request(draw: st.DrawFn) -> tuple[list[ep.ProcessingRequest], Expe
         # Response headers first, such as Envoy's own 404 or 413 used to be: never ext_proc's to answer now.
         status = draw(st.sampled_from(["404", "413", "200", "503", "", "4²4"]))
         method = draw(st.sampled_from(["POST", "GET"]))
-        return [reply_msg(status, method, path), body_msg(json.dumps({"model": model}).encode(), path=path, auth=auth)], \
-            rejected(400, "invalid_request")
+        then_body = body_msg(json.dumps({"model": model}).encode(), path=path, auth=auth)
+        return [reply_msg(status, method, path), then_body], rejected(400, "invalid_request")
     elif fault == "headers_first":
         # A completion route never sends its headers; if it did, nothing may go upstream from them.
         msg = headers_request(raw_headers((":method", "POST"), (":path", path),

@@ -159,7 +159,9 @@ async def test_rejections(gateway: Gateway, first: ep.ProcessingRequest, status:
 
 async def test_models_lists_only_allowed(gateway: Gateway) -> None:
     flow = RequestFlow(gateway)
-    resp = await flow.handle(headers((":method", "GET"), (":path", "/v1/models"), ("authorization", f"Bearer {KEY}"), end=True))
+    resp = await flow.handle(
+        headers((":method", "GET"), (":path", "/v1/models"), ("authorization", f"Bearer {KEY}"), end=True)
+    )
     assert status_of(resp) == 200
     assert [m["id"] for m in json.loads(resp.immediate_response.body)["data"]] == ["llama-8b", "llama-70b"]
 
@@ -262,7 +264,9 @@ async def test_unknown_and_forbidden_models_get_one_answer_and_the_log_keeps_why
     forbidden = await RequestFlow(gateway).handle(post({"model": "mistral"}))
     assert status_of(unknown) == status_of(forbidden) == 404
     assert error_of(unknown)["message"] == "The model `nope` does not exist or you do not have access to it."
-    assert error_of(forbidden) == {**error_of(unknown), "message": error_of(unknown)["message"].replace("nope", "mistral")}
+    assert error_of(forbidden) == {
+        **error_of(unknown), "message": error_of(unknown)["message"].replace("nope", "mistral")
+    }
     lines = [r.getMessage() for r in caplog.records]
     assert any("r1" in line and "unknown model" in line for line in lines), lines
     assert any("r1" in line and "allowlist" in line and "acme" in line for line in lines), lines

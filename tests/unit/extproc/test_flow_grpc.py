@@ -188,7 +188,9 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
                         sent[i] += 1
                     assert_counts(gw, counted)
                     assert servicer.open_streams == sum(c is not None for c in calls) - sum(ended)
-                    routed_acme = sum(1 for j in counted if tenant_of(attrs_of(scripts[j][0][1]).get(AUTH, "")) == "acme")
+                    routed_acme = sum(
+                        1 for j in counted if tenant_of(attrs_of(scripts[j][0][1]).get(AUTH, "")) == "acme"
+                    )
                     assert routed_acme <= gw.admission.in_flight("acme") <= 1
             assert all(ended) and servicer.open_streams == 0
             for request_id in sorted(client_ids | set(rids)):  # every stream ended: no report reaches anything

@@ -99,7 +99,8 @@ async def test_queued_then_dispatched_on_a_fresh_sample_showing_room() -> None:
     rig.observe(waiting=0, kv=0.5)
     await _settle()
     routed = task.result()
-    assert rig.held() == (1, 1, routed.lease.tokens) and routed.lease.tokens == 10 + 10  # prompt (40 chars) + max_tokens
+    # prompt (40 chars) + max_tokens
+    assert rig.held() == (1, 1, routed.lease.tokens) and routed.lease.tokens == 10 + 10
     routed.release()
     assert rig.held() == (0, 0, 0)
 

@@ -61,7 +61,8 @@ def test_stale_score_uses_only_in_flight_plus_penalty() -> None:
 def test_weights_validation() -> None:
     with pytest.raises(ValueError, match="unknown scorer"):
         default_scorers({"latency": 1.0})
-    assert [s.name for s, _ in default_scorers({"kv_headroom": 0, "predicted_wait": 0})] == ["queue", "running", "in_flight"]
+    no_extras = default_scorers({"kv_headroom": 0, "predicted_wait": 0})
+    assert [s.name for s, _ in no_extras] == ["queue", "running", "in_flight"]
     with pytest.raises(ValueError):
         Weighted([], 0.5)
     with pytest.raises(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from typing import Any
@@ -90,7 +91,7 @@ async def test_chunks_arrive_one_by_one_while_generating(start_sim: StartSim, ht
             if line.startswith(b"data: {"):
                 arrivals.append(time.perf_counter() - started)
     assert len(arrivals) == 10
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert arrivals[-1] - arrivals[0] > 0.15, f"all chunks within {arrivals[-1] - arrivals[0]:.3f}s"
     assert sum(gap > 0.01 for gap in gaps) >= 8, gaps
 
