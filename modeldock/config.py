@@ -298,6 +298,10 @@ class Config(_Strict):
             for key in tenant.requests_per_minute_per_model:
                 if not any(model.matches(key) for model in self.models):
                     raise _FieldError(("tenants", i, "requests_per_minute_per_model"), f"{key!r} matches no model")
+            for key in tenant.tokens_per_minute_per_model:  # budgets are keyed on the served name
+                if not any(fnmatch.fnmatchcase(model.upstream_name, key) for model in self.models):
+                    raise _FieldError(("tenants", i, "tokens_per_minute_per_model"),
+                                      f"{key!r} matches no model's served name")
         return self
 
     @model_validator(mode="after")

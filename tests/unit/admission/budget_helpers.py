@@ -23,6 +23,7 @@ def budget_tenant(
 def budget_config(*tenants: TenantConfig, **limits: Any) -> Config:
     return Config(
         tenants=list(tenants),
-        models=[ModelConfig(name="m", endpoints=["127.0.0.1:8000"])],
+        # Every per-model budget key must match some served name (config validation).
+        models=[ModelConfig(name=name, endpoints=["127.0.0.1:8000"]) for name in ("m", "llama-8b", "llama-70b")],
         limits=LimitsConfig(**limits),
     )

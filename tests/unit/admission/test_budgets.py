@@ -10,7 +10,7 @@ from modeldock.admission.budget_window import TokenWindow
 from modeldock.admission.budgets import TokenBudgets, matching_budgets
 from modeldock.admission.tokens import Usage, estimate_cost
 from modeldock.clock import FakeClock
-from modeldock.config import TenantConfig
+from modeldock.config import ConfigError, TenantConfig, hash_key, parse_config
 from modeldock.errors import RateLimited
 from tests.unit.admission.budget_helpers import budget_config, budget_tenant
 
@@ -171,3 +171,22 @@ def test_estimate_and_usage_parsing() -> None:
     assert Usage.from_mapping({"prompt_tokens": -1, "completion_tokens": 1}) is None
     assert Usage.from_mapping({"prompt_tokens": 1.5, "completion_tokens": 1}) is None
     assert Usage.from_mapping("x") is None
+
+
+def test_a_token_budget_key_that_matches_no_served_name_is_a_config_error() -> None:
+    def cfg(per_model: dict[str, int]) -> dict[str, object]:
+        return {
+            "tenants": [{"id": "acme", "api_key_hashes": [hash_key("k1")], "models": ["*"],
+                         "tokens_per_minute_per_model": per_model}],
+            "models": [{"name": "llama", "served_name": "meta/llama", "endpoints": ["127.0.0.1:1"]}],
+        }
+
+    # Budgets count per served name: the public alias `llama` alone would limit nothing.
+    for bad in ({"x": 1}, {"llama": 1}, {"meta/*": 1, "mistral-*": 2}):
+        with pytest.raises(ConfigError) as caught:
+            parse_config(cfg(bad), "gw.yaml")
+        key = next(k for k in bad if k != "meta/*")
+        assert str(caught.value) == (
+            f"gw.yaml: tenants[0].tokens_per_minute_per_model: {key!r} matches no model's served name")
+    for good in ({"meta/llama": 1}, {"meta/*": 1}, {"*llama": 1}):
+        parse_config(cfg(good))
