@@ -196,6 +196,12 @@ class Ledger:
         load = self.loads.get(endpoint)
         return load.committed if load is not None else 0
 
+    def speed(self, model: str) -> float:
+        """Tokens/second the model's endpoints process together while busy (their learned
+        speeds; an endpoint not learned yet adds nothing): how fast a queue of it drains."""
+        loads = self.loads
+        return sum(loads[ep].speed for ep in self._endpoints.get(model, ()) if ep in loads)
+
     def total_committed(self) -> int:
         return sum(load.committed for load in self.loads.values())
 
