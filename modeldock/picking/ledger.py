@@ -197,10 +197,11 @@ class Ledger:
         return load.committed if load is not None else 0
 
     def speed(self, model: str) -> float:
-        """Tokens/second the model's endpoints process together while busy (their learned
-        speeds; an endpoint not learned yet adds nothing): how fast a queue of it drains."""
+        """Tokens/second the model's endpoints process together when full: how fast a queue
+        of it drains (per endpoint its rate while full, else while busy, if higher; one
+        not learned yet adds nothing)."""
         loads = self.loads
-        return sum(loads[ep].speed for ep in self._endpoints.get(model, ()) if ep in loads)
+        return sum(max(loads[ep].drain, loads[ep].speed) for ep in self._endpoints.get(model, ()) if ep in loads)
 
     def total_committed(self) -> int:
         return sum(load.committed for load in self.loads.values())

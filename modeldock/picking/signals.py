@@ -71,7 +71,7 @@ class Load:
     """
 
     __slots__ = ("capacity", "committed", "counted_at", "counter", "failures", "gone", "last_pick", "leases",
-                 "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
+                 "drain", "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
@@ -80,6 +80,7 @@ class Load:
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
         self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
+        self.drain = 0.0  # tokens/second while full (requests waiting at both pages), smoothed (0: unknown)
         self.counter: float | None = None  # the last token counter reading and when it was taken
         self.counted_at = 0.0
         self.sample: Sample | None = None
@@ -141,6 +142,11 @@ class Load:
             return
         rate = (total - previous) / (taken_at - since)
         self.speed = rate if self.speed <= 0 else 0.7 * self.speed + 0.3 * rate
+        # How fast it works through a queue: only intervals it was full all along (a queue at
+        # both pages). `speed` follows the load it was given and so reads low after a quiet
+        # spell, which would shed too much when a queue forms.
+        if sample.waiting > 0 and before is not None and before.waiting > 0:
+            self.drain = rate if self.drain <= 0 else 0.7 * self.drain + 0.3 * rate
 
     def rebase(self, mark: int, in_flight_at: int | None) -> None:
         """A new sample reflecting the picks up to `mark`; `in_flight_at` requests
