@@ -32,6 +32,8 @@ class Band(Generic[T]):
         self.finish: dict[str, float] = {}
         self.vtime = 0.0
         self.length = 0
+        self.tokens = 0  # cost of every item waiting in the band
+        self.queued: dict[str, int] = {}  # tenant -> cost of its waiting items
 
     def _tag(self, item: Item[T]) -> None:
         item.start = max(self.vtime, self.finish.get(item.tenant, 0.0))
@@ -45,6 +47,8 @@ class Band(Generic[T]):
         if len(flow) == 1:
             self._tag(item)
         self.length += 1
+        self.tokens += item.cost
+        self.queued[item.tenant] = self.queued.get(item.tenant, 0) + item.cost
 
     def head(self) -> Item[T] | None:
         """The item fair queueing dispatches next (O(tenants waiting in this band))."""
@@ -77,4 +81,28 @@ class Band(Generic[T]):
             flow.remove(item)  # never dispatched: only the head is
         if not flow:
             del self.flows[item.tenant]
+            del self.queued[item.tenant]
+        else:
+            self.queued[item.tenant] -= item.cost
         self.length -= 1
+        self.tokens -= item.cost
+
+    def ahead(self, tenant: str, weight: float) -> float:
+        """Tokens that fair queueing would dispatch before a new item of `tenant` (weight
+        `weight`) enqueued now. Its start tag would be the later of V and the end of its flow
+        (a backlogged flow's items follow one another by cost / weight); every other flow is
+        ahead by (that tag - its head's start tag) x its weight in tokens, at most what it
+        holds. O(tenants waiting in the band)."""
+        own = self.flows.get(tenant)
+        if own:
+            start = own[0].start + self.queued[tenant] / weight
+        else:
+            start = max(self.vtime, self.finish.get(tenant, 0.0))
+        total = float(self.queued.get(tenant, 0))
+        for name, flow in self.flows.items():
+            if name == tenant:
+                continue
+            head = flow[0]
+            if start > head.start:
+                total += min(float(self.queued[name]), (start - head.start) * head.weight)
+        return total

@@ -113,13 +113,16 @@ class FlowQueue(Generic[T]):
 
     def enqueue(
         self, tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, ttl: float | None = None,
-        data: object = None,
+        data: object = None, max_ahead: float | None = None, wait_hint: float | None = None,
     ) -> Item[T]:
         """Queue a request, or raise RateLimited(queue_full) if it may not wait.
 
         When the queue is full, a new item of a higher class than the lowest one
         present evicts the newest item of that lowest class; otherwise the new
-        item is refused. ValueError for an unknown class or a weight <= 0.
+        item is refused. `max_ahead`: refuse it too when the tokens that would be
+        dispatched before it (`ahead`) exceed this (the caller's drain budget;
+        `wait_hint` is the wait that budget stands for, for the message).
+        ValueError for an unknown class or a weight <= 0.
         """
         klass = klass or self.config.default_class
         priority = self.config.priority(klass)
@@ -130,6 +133,10 @@ class FlowQueue(Generic[T]):
         limit = self.config.max_per_tenant
         if limit is not None and self._tenants.get(tenant, 0) >= limit:
             raise self._refuse(tenant, klass, f"tenant {tenant!r} already has {limit} requests queued")
+        if max_ahead is not None and self._length and self.ahead(tenant, priority, weight) > max_ahead:
+            within = f" within {wait_hint:g}s" if wait_hint is not None else ""
+            raise self._refuse(tenant, klass, f"the requests queued ahead for model {self.model!r} would not "
+                                              f"drain{within}")
         if self._length >= self.config.max_length:
             lowest = next(band for band in reversed(self._bands) if band.length)
             if lowest.priority >= priority:
@@ -155,6 +162,17 @@ class FlowQueue(Generic[T]):
             heapq.heapify(self._deadlines)
         self._metrics.queued(self.model, tenant, klass, 1)
         return item
+
+    def ahead(self, tenant: str, priority: int, weight: float = 1.0) -> float:
+        """Tokens queued that would be dispatched before a new item of `tenant` at `priority`:
+        all of every higher band's, and its fair-queueing predecessors in its own band."""
+        total = 0.0
+        for band in self._bands:
+            if band.priority > priority:
+                total += band.tokens
+            elif band.priority == priority:
+                total += band.ahead(tenant, weight)
+        return total
 
     def _band(self, priority: int) -> Band[T]:
         band = self._by_priority.get(priority)

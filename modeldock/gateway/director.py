@@ -328,7 +328,11 @@ class Gateway:
             behind = False
         else:
             behind = True  # others wait: join them (fair order), then let dispatch decide
-        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight, data=(prefix, cost, subset))
+        max_wait = self.queues.config.max_wait_seconds
+        speed = self.picker.ledger.speed(model) if max_wait is not None else 0.0
+        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight, data=(prefix, cost, subset),
+                             max_ahead=speed * max_wait if max_wait is not None and speed > 0 else None,
+                             wait_hint=max_wait)
         if behind:
             self.dispatch(model)
         try:

@@ -196,6 +196,13 @@ class Ledger:
         load = self.loads.get(endpoint)
         return load.committed if load is not None else 0
 
+    def speed(self, model: str) -> float:
+        """Tokens/second the model's endpoints process together when full: how fast a queue
+        of it drains (per endpoint its rate while full, else while busy, if higher; one
+        not learned yet adds nothing)."""
+        loads = self.loads
+        return sum(max(loads[ep].drain, loads[ep].speed) for ep in self._endpoints.get(model, ()) if ep in loads)
+
     def total_committed(self) -> int:
         return sum(load.committed for load in self.loads.values())
 

@@ -27,6 +27,13 @@ class Saturation:
     """When is an endpoint too full for one more request (of `cost` tokens)?
 
     Room (`room=True`, the config's default): when one more request would not fit:
+      - its fresh sample shows requests waiting in the backend's own queue, less the requests
+        that finished since (each let one in): a request sent now would wait there, where no
+        fairness or priority applies, so it waits in the gateway's queue instead;
+      - its fresh sample's running + waiting, corrected for picks and completions since, reach
+        the learned batch limit (`Signals.limit`, the most requests seen running while others
+        waited: max_num_seqs or the KV bound), so a burst between two samples is not pushed
+        into the backend's queue; with a stale sample, this gateway's in-flight count does;
       - its fresh sample shows requests waiting (corrected: picks since the sample count as
         waiting) while its KV cache is at least `kv_full` used: vLLM is queueing for memory;
       - or, its KV capacity known (vllm:cache_config_info), the tokens this gateway has
@@ -68,8 +75,12 @@ class Saturation:
             if s.in_flight and s.capacity > 0 and s.committed + cost > s.capacity:
                 return True
             if s.fresh:
-                if s.waiting >= 1 and s.kv >= self.kv_full:
+                if s.backlog > 0 or (s.waiting >= 1 and s.kv >= self.kv_full):
                     return True
+                if s.limit > 0 and s.running + s.waiting >= s.limit:
+                    return True
+            elif s.limit > 0 and s.in_flight >= s.limit:
+                return True
             elif self.stale_max_in_flight is not None and s.in_flight >= self.stale_max_in_flight:
                 return True
         if not s.fresh:

@@ -33,6 +33,10 @@ class Signals(NamedTuple):
     capacity: float = 0.0  # KV capacity in tokens; 0: unknown
     speed: float = 0.0  # tokens/second the endpoint processed while busy (its counters); 0: unknown
     new_tokens: int = 0  # committed tokens of requests picked since the sample (not in its KV yet)
+    # The backend's own queue now: the sample's `waiting` less the completions since (each one lets a
+    # waiting request in); picks since are not in it. 0 when not fresh.
+    backlog: float = 0.0
+    limit: float = 0.0  # learned batch limit: the most `running` seen while requests waited; 0: unknown
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -67,7 +71,7 @@ class Load:
     """
 
     __slots__ = ("capacity", "committed", "counted_at", "counter", "failures", "gone", "last_pick", "leases",
-                 "mark", "new", "new_tokens", "sample", "speed", "taken_at")
+                 "drain", "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
@@ -75,6 +79,8 @@ class Load:
         self.new_tokens = 0  # tokens of the leases above `mark`
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
+        self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
+        self.drain = 0.0  # tokens/second while full (requests waiting at both pages), smoothed (0: unknown)
         self.counter: float | None = None  # the last token counter reading and when it was taken
         self.counted_at = 0.0
         self.sample: Sample | None = None
@@ -110,13 +116,21 @@ class Load:
         return tokens
 
     def learn(self, sample: Sample, taken_at: float) -> None:
-        """Capacity and speed from a page: capacity as read; speed from the token counters
-        between two pages, only over intervals the server was busy (an idle server's rate says
-        nothing about how fast it can go), smoothed (EWMA 0.3). A counter going backwards
-        (a restart) starts over."""
+        """Capacity, batch limit and speed from a page: capacity as read; the batch limit is the
+        most requests seen running while requests waited in two pages in a row (a queue that
+        lasted, not one caught between a request's arrival and the server's next step: that
+        would learn a limit far too low), the server's max_num_seqs or its KV bound; speed from
+        the token counters between two pages, only over intervals the server was busy (an idle
+        server's rate says nothing about how fast it can go), smoothed (EWMA 0.3). A counter
+        going backwards (a restart) starts over, the limit too."""
         if sample.capacity is not None:
             self.capacity = sample.capacity
         total = sample.tokens_total
+        if total is not None and self.counter is not None and total < self.counter:
+            self.limit = 0.0  # restarted: perhaps with another max_num_seqs
+        before = self.sample
+        if sample.waiting > 0 and before is not None and before.waiting > 0 and sample.running > self.limit:
+            self.limit = sample.running
         if total is None:
             return
         previous, since = self.counter, self.counted_at
@@ -128,6 +142,11 @@ class Load:
             return
         rate = (total - previous) / (taken_at - since)
         self.speed = rate if self.speed <= 0 else 0.7 * self.speed + 0.3 * rate
+        # How fast it works through a queue: only intervals it was full all along (a queue at
+        # both pages). `speed` follows the load it was given and so reads low after a quiet
+        # spell, which would shed too much when a queue forms.
+        if sample.waiting > 0 and before is not None and before.waiting > 0:
+            self.drain = rate if self.drain <= 0 else 0.7 * self.drain + 0.3 * rate
 
     def rebase(self, mark: int, in_flight_at: int | None) -> None:
         """A new sample reflecting the picks up to `mark`; `in_flight_at` requests
@@ -150,7 +169,8 @@ class Load:
         in_flight = len(self.leases)
         if sample is None or now - self.taken_at > stale_after:
             return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
-                           self.new_tokens)
+                           self.new_tokens, 0.0, self.limit)
         waiting, running = correct(sample, self.new, self.gone)
+        backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
-                       self.speed, self.new_tokens)
+                       self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit)

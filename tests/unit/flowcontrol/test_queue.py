@@ -243,3 +243,31 @@ def test_config_validation() -> None:
         QueueConfig().priority("gold")
     config = QueueConfig()
     assert config.enabled and config.classes == {"interactive": 2, "standard": 1, "batch": 0}
+
+
+def test_fair_order_estimates_the_tokens_ahead(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_length=1000)
+    for _ in range(5):
+        h.queue.enqueue("a", 100)
+    prio = h.config.priority("standard")
+    assert h.queue.ahead("a", prio) == 500  # behind all of its own
+    assert h.queue.ahead("b", prio) == 0  # a new tenant starts at V: next in fair order
+    h.queue.enqueue("b", 100)
+    assert h.queue.ahead("b", prio) == pytest.approx(200)  # its own, then a's one ahead of its next
+    assert h.queue.ahead("b", prio, weight=2.0) == pytest.approx(150)  # a heavier tenant gets there sooner
+    assert h.queue.ahead("x", h.config.priority("interactive")) == 0  # a higher class jumps them all
+    assert h.queue.ahead("x", h.config.priority("batch")) == 600  # a lower class waits for everyone
+
+
+def test_enqueue_sheds_what_would_not_drain_in_time(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_length=1000)
+    for _ in range(3):
+        h.queue.enqueue("a", 100, max_ahead=250, wait_hint=0.5)
+    with pytest.raises(RateLimited) as caught:
+        h.queue.enqueue("a", 100, max_ahead=250, wait_hint=0.5)  # 300 tokens ahead of it
+    assert caught.value.code == "queue_full" and "0.5s" in caught.value.message
+    assert caught.value.headers == {"Retry-After": "1"}
+    h.queue.enqueue("b", 100, max_ahead=250)  # the other tenant is next in fair order: it waits
+    h.queue.enqueue("i", 100, klass="interactive", max_ahead=250)
+    assert len(h.queue) == 5 and h.queue.counts.rejected == 1
+    assert h.queue.counts.offered == h.queue.counts.rejected + len(h.queue)

@@ -1,0 +1,99 @@
+"""Room: the backend's own queue and its learned batch limit make an endpoint full."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from picking_helpers import endpoints
+
+from modeldock.clock import FakeClock
+from modeldock.picking import Picker, Sample, Saturated, Saturation
+
+MakePicker = Callable[..., Picker]
+
+
+def _see(picker: Picker, clock: FakeClock, ep: object, waiting: float, running: float, total: float = 0.0) -> None:
+    picker.observe(ep, Sample(waiting=waiting, running=running, kv=0.1, tokens_total=total),  # type: ignore[arg-type]
+                   clock.monotonic())
+
+
+def test_a_backend_queue_means_no_room_whatever_the_kv(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a, b])
+    _see(picker, clock, a, waiting=1, running=3)  # KV 10%: only the queue says it is full
+    _see(picker, clock, b, waiting=0, running=1)
+    assert picker.pick("m").primary == b
+    _see(picker, clock, b, waiting=2, running=4)
+    with pytest.raises(Saturated):
+        picker.pick("m")
+    assert picker.total_in_flight() == 1  # the refused pick counted nothing
+
+
+def test_completions_since_the_sample_drain_the_backend_queue(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    leases = [picker.pick("m").lease for _ in range(2)]
+    _see(picker, clock, a, waiting=1, running=1)  # both of ours in it
+    with pytest.raises(Saturated):
+        picker.pick("m")
+    leases[0].release()  # one finished: the waiting one runs now, nothing waits
+    assert picker.pick("m").primary == a
+
+
+def test_the_batch_limit_is_learned_from_a_lasting_queue(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _see(picker, clock, a, waiting=3, running=1)  # a queue caught between arrival and the next step
+    _see(picker, clock, a, waiting=0, running=1)
+    assert picker.ledger.load(a).limit == 0  # one page with a queue teaches nothing
+    _see(picker, clock, a, waiting=2, running=4)
+    _see(picker, clock, a, waiting=1, running=4)
+    assert picker.ledger.load(a).limit == 4
+    _see(picker, clock, a, waiting=0, running=2)  # room for two more, and no more between samples
+    picker.pick("m")
+    picker.pick("m")
+    with pytest.raises(Saturated):
+        picker.pick("m")
+
+
+def test_a_stale_sample_falls_back_to_in_flight_against_the_limit(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True), stale_after=2.0)
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _see(picker, clock, a, waiting=1, running=2)
+    _see(picker, clock, a, waiting=1, running=2)
+    clock.advance(5.0)  # stale now
+    picker.pick("m")
+    picker.pick("m")
+    with pytest.raises(Saturated):
+        picker.pick("m")
+
+
+def test_drain_rate_is_learned_only_while_full(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a, b])
+    _see(picker, clock, a, waiting=0, running=1, total=0)
+    clock.advance(1.0)
+    _see(picker, clock, a, waiting=0, running=1, total=100)  # busy, not full: 100 tokens/s
+    assert picker.ledger.load(a).drain == 0 and picker.ledger.speed("m") == pytest.approx(100)
+    _see(picker, clock, a, waiting=2, running=4, total=100)
+    clock.advance(1.0)
+    _see(picker, clock, a, waiting=2, running=4, total=1100)  # full all along: 1000 tokens/s
+    assert picker.ledger.load(a).drain == pytest.approx(1000)
+    assert picker.ledger.speed("m") == pytest.approx(1000)  # b has learned nothing: adds nothing
+
+
+def test_a_restart_forgets_the_limit(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _see(picker, clock, a, waiting=1, running=4, total=500)
+    _see(picker, clock, a, waiting=1, running=4, total=600)
+    assert picker.ledger.load(a).limit == 4
+    _see(picker, clock, a, waiting=0, running=0, total=10)  # the counter went back: restarted
+    assert picker.ledger.load(a).limit == 0
