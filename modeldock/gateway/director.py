@@ -189,7 +189,8 @@ class Gateway:
         """Swap tenants, models and limits on reload."""
         self.admission.reconfigure(config)
         if config.queue != self.queues.config:
-            log.warning("config reload: `queue:` changed; restart ext_proc (and re-render Envoy's bootstrap) to apply it")
+            log.warning("config reload: `queue:` changed; restart ext_proc "
+                        "(and re-render Envoy's bootstrap) to apply it")
         self.budgets.reconfigure(config)
         self._load(config)
 

@@ -7,4 +7,7 @@ from modeldock.picking.saturation import Saturated, Saturation
 from modeldock.picking.scrape import Scraper
 from modeldock.picking.signals import Sample, Signals
 
-__all__ = ["POLICY_NAMES", "Lease", "Pick", "Picker", "Sample", "Saturated", "Saturation", "Scraper", "Signals", "parse_metrics"]
+__all__ = [
+    "POLICY_NAMES", "Lease", "Pick", "Picker", "Sample", "Saturated", "Saturation", "Scraper", "Signals",
+    "parse_metrics",
+]

@@ -91,7 +91,9 @@ class Ledger:
 
     # -- endpoints -------------------------------------------------------
 
-    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None) -> frozenset[Endpoint]:
+    def set_endpoints(
+        self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None
+    ) -> frozenset[Endpoint]:
         """Replace a model's candidates; the endpoints no model lists any more."""
         self._endpoints[model] = tuple(dict.fromkeys(endpoints))
         self._members[model] = frozenset(self._endpoints[model])

@@ -12,7 +12,8 @@ import re
 
 from modeldock.picking.signals import Sample
 
-_LOAD = r"num_requests_waiting|num_requests_running|kv_cache_usage_perc|gpu_cache_usage_perc|prompt_tokens_total|generation_tokens_total"
+_LOAD = (r"num_requests_waiting|num_requests_running|kv_cache_usage_perc|gpu_cache_usage_perc"
+         r"|prompt_tokens_total|generation_tokens_total")
 # name, optional {labels}, value; the label group runs to the last `}` on the line.
 _TAIL = r"(?:\{([^\n]*)\})?[ \t]+([^ \t\n]+)"
 # Two pattern pairs: cache_config_info (KV capacity) never changes while a server runs, so the

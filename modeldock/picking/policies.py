@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from modeldock.types import Endpoint
 from modeldock.picking.scorers import InFlight, Scorer, check_weights, default_scorers
 from modeldock.picking.signals import Signals
+from modeldock.types import Endpoint
 
 POLICY_NAMES = ("default", "seed", "least_request", "round_robin")
 

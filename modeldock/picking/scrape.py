@@ -23,10 +23,10 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
-from modeldock.types import Endpoint
 from modeldock.picking.metrics import ScrapeMetrics
 from modeldock.picking.parse import parse_metrics
 from modeldock.picking.signals import Sample
+from modeldock.types import Endpoint
 
 log = logging.getLogger(__name__)
 
