@@ -258,3 +258,25 @@ def test_the_subset_hint_reads_a_list_or_a_comma_string() -> None:
     value = struct_pb2.Value(string_value=f"{A}, {B}")
     assert endpoints_of(value) == {Endpoint.parse(A), Endpoint.parse(B)}
     assert endpoints_of(struct_pb2.Value(number_value=1)) == frozenset()
+
+
+async def test_a_budgeted_request_is_charged_its_reservation_once_when_its_stream_ends() -> None:
+    """Picker mode hears no usage report (the gateway's Envoy has no usage filters): the reservation is
+    charged whole, once, and nothing stays held."""
+    config = {**CONFIG, "tenants": [{**CONFIG["tenants"][0], "tokens_per_minute": 100_000}]}
+    gw = make_gateway(config, {"llama-8b": [A, B, C], "llama-alias": [A]}, seed=1)
+    flow = PickerFlow(gw)
+    await run(flow, start(), chunk(BODY))
+    routed = flow.routed
+    assert routed is not None and routed.reservation is not None
+    assert gw.budgets.held_count() == 1
+    flow.finish()
+    flow.finish()
+    assert gw.budgets.held_count() == 0 and gw.picker.total_in_flight() == 0
+    remaining = int(routed.reservation.headers["x-ratelimit-remaining-tokens"])
+    # A second request sees the first one's whole reservation charged (not refunded).
+    second = PickerFlow(gw)
+    await run(second, start(), chunk(BODY))
+    assert second.routed is not None and second.routed.reservation is not None
+    assert int(second.routed.reservation.headers["x-ratelimit-remaining-tokens"]) == remaining - routed.cost
+    second.finish()
