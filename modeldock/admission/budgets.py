@@ -25,6 +25,7 @@ from modeldock.admission.budget_headers import token_ratelimit_headers, token_re
 from modeldock.admission.budget_redis import RedisTokenWindow, budget_key
 from modeldock.admission.budget_window import BudgetLimit, TokenWindow
 from modeldock.admission.headers import format_duration
+from modeldock.admission.limits import LogThrottle
 from modeldock.admission.redis_window import RedisUnavailable, make_redis_client
 from modeldock.admission.tokens import Usage
 from modeldock.admission.window import Decision, binding
@@ -144,22 +145,6 @@ class Reservation:
             await asyncio.shield(task)
 
 
-class _Throttle:
-    """True at most once per interval, so an outage logs a line, not a flood."""
-
-    def __init__(self, clock: Clock, interval_s: float) -> None:
-        self._clock = clock
-        self._interval_s = interval_s
-        self._last: float | None = None
-
-    def ready(self) -> bool:
-        now = self._clock.monotonic()
-        if self._last is not None and now - self._last < self._interval_s:
-            return False
-        self._last = now
-        return True
-
-
 class TokenBudgets:
     def __init__(
         self,
@@ -185,7 +170,7 @@ class TokenBudgets:
         self._tasks: set[asyncio.Task[None]] = set()
         self._tag = os.urandom(6).hex()
         self._ids = itertools.count()
-        self._warn = _Throttle(clock, warn_interval_s)
+        self._warn = LogThrottle(clock, warn_interval_s)
         # Plain counters; the caller may export them.
         self.decisions: dict[str, int] = {"admitted": 0, "rate_limited": 0, "too_large": 0, "unavailable": 0}
         self.redis_errors = 0

@@ -57,7 +57,7 @@ class Ticket:
         self.release()
 
 
-class _Throttle:
+class LogThrottle:
     """True at most once per interval, so an outage logs a line, not a flood."""
 
     def __init__(self, clock: Clock, interval_s: float) -> None:
@@ -91,8 +91,8 @@ class Admission:
         self._concurrency = ConcurrencyLimiter()
         self.metrics = AdmissionMetrics(registry)
         self.metrics.track_in_flight(self._concurrency.total)
-        self._fail_open_log = _Throttle(clock, warn_interval_s)
-        self._fail_closed_log = _Throttle(clock, warn_interval_s)
+        self._fail_open_log = LogThrottle(clock, warn_interval_s)
+        self._fail_closed_log = LogThrottle(clock, warn_interval_s)
         self._limits = config.limits
         self._per_model = PerModelLimits(config)
         self._redis = self._make_redis(config.limits)

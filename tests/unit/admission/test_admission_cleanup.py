@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from modeldock.admission.limits import Admission, _Throttle
+from modeldock.admission.limits import Admission, LogThrottle
 from modeldock.admission.window import SlidingWindow
 from modeldock.clock import FakeClock
 from tests.support.redis_server import RedisServer
@@ -37,7 +37,7 @@ def test_undo_of_one_of_two_entries_keeps_the_key() -> None:
 
 def test_throttle_opens_again_exactly_after_its_interval() -> None:
     clock = FakeClock()
-    throttle = _Throttle(clock, 10.0)
+    throttle = LogThrottle(clock, 10.0)
     assert throttle.ready()
     clock.advance(9.999)
     assert not throttle.ready()
