@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from modeldock.admission.budget_window import BudgetLimit
-from modeldock.admission.redis_window import RedisUnavailable
+from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply
 from modeldock.admission.window import Decision
 
 KEY_PREFIX = "modeldock:tb:"
@@ -152,23 +152,7 @@ class RedisTokenWindow:
         for _, limit, window in limits:
             args.extend((_us(window), limit))
         reply = await self._call("reserve", _keys(key for key, _, _ in limits), args)
-        try:
-            allowed = int(reply[0]) == 1
-            out = []
-            for i, (_, limit, _w) in enumerate(limits):
-                remaining, reset_us, retry_us = (int(v) for v in reply[1 + 3 * i : 4 + 3 * i])
-                out.append(
-                    Decision(
-                        allowed=allowed,
-                        limit=limit,
-                        remaining=remaining,
-                        reset_after_s=max(reset_us, 0) / 1_000_000,
-                        retry_after_s=max(retry_us, 0) / 1_000_000,
-                    )
-                )
-            return out
-        except (TypeError, ValueError, IndexError) as exc:
-            raise RedisUnavailable(f"unexpected script reply: {exc}") from None
+        return decisions_from_reply(reply, [limit for _, limit, _ in limits])
 
     async def settle(self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int) -> int:
         if not keys:

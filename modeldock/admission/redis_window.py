@@ -156,20 +156,20 @@ class RedisWindow:
         return self._script
 
     def _decisions(self, reply: Any, limits: Sequence[tuple[str, int]]) -> list[Decision]:
-        try:
-            allowed = int(reply[0]) == 1
-            out = []
-            for i, (_, limit) in enumerate(limits):
-                remaining, reset_us, retry_us = (int(v) for v in reply[1 + 3 * i : 4 + 3 * i])
-                out.append(
-                    Decision(
-                        allowed=allowed,
-                        limit=limit,
-                        remaining=remaining,
-                        reset_after_s=max(reset_us, 0) / 1_000_000,
-                        retry_after_s=max(retry_us, 0) / 1_000_000,
-                    )
-                )
-            return out
-        except (TypeError, ValueError, IndexError) as exc:
-            raise RedisUnavailable(f"unexpected script reply: {exc}") from None
+        return decisions_from_reply(reply, [limit for _, limit in limits])
+
+
+def decisions_from_reply(reply: Any, limits: Sequence[int]) -> list[Decision]:
+    """A window script's reply: allowed, then (remaining, reset µs, retry µs) per limit, in order.
+    Anything else is a RedisUnavailable (the store answered, but not as the script does)."""
+    try:
+        allowed = int(reply[0]) == 1
+        out = []
+        for i, limit in enumerate(limits):
+            remaining, reset_us, retry_us = (int(v) for v in reply[1 + 3 * i : 4 + 3 * i])
+            out.append(Decision(allowed=allowed, limit=limit, remaining=remaining,
+                                reset_after_s=max(reset_us, 0) / 1_000_000,
+                                retry_after_s=max(retry_us, 0) / 1_000_000))
+        return out
+    except (TypeError, ValueError, IndexError) as exc:
+        raise RedisUnavailable(f"unexpected script reply: {exc}") from None
