@@ -77,6 +77,19 @@ class Standing:
             total += weight
         return tenant_tokens * total > weight * model_tokens
 
+    def contended(self, model: str, tenant: str, priority: int) -> bool:
+        """Is anyone else on `model` within the window (a lower class, another tenant), whom the
+        headroom keeps slots from? Then a protected request may take one past the queue."""
+        m = self._models.get(model)
+        if m is None:
+            return False
+        now = self._clock.monotonic()
+        since = now - self.window
+        if any(other < priority and at > since for other, at in m.classes.items()):
+            return True
+        self._expire(m, now)
+        return len(m.tenants) > 1 or (len(m.tenants) == 1 and tenant not in m.tenants)
+
     @staticmethod
     def _expire(m: _Model, now: float) -> None:
         heap = m.expiries

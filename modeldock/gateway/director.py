@@ -329,17 +329,19 @@ class Gateway:
         priority = self.queues.config.priority(klass)
         self.standing.seen(model, tenant.id, tenant.weight, priority)
         queue = self.queues.waiting(model)
-        if queue is None:
-            try:  # the usual path: one call
-                return self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id,
-                                        **self.headroom(model, tenant.id, tenant.weight, priority))
+        headroom = self.headroom(model, tenant.id, tenant.weight, priority)
+        # Nobody waits (the usual path: one call), or this request is protected from those who wait
+        # (a lower class, a tenant over its share): the slots they leave free are its own, so it takes
+        # one at once rather than queue behind one that may not take it.
+        if queue is None or (not headroom and self.queues.config.headroom
+                             and self.standing.contended(model, tenant.id, priority)):
+            try:
+                return self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id, **headroom)
             except Saturated:
                 if not self.queues.config.enabled:
                     raise
-            queue = self.queues.get(model)
-            behind = False
-        else:
-            behind = True  # others wait: join them (fair order), then let dispatch decide
+        behind = queue is not None  # others wait: join them (fair order), then let dispatch decide
+        queue = self.queues.get(model)
         max_wait = self.queues.config.max_wait_seconds
         speed = self.picker.ledger.speed(model) if max_wait is not None else 0.0
         item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight,
