@@ -33,6 +33,14 @@ class QueueConfig(BaseModel):
         default_factory=lambda: {"interactive": 2, "standard": 1, "batch": 0}, min_length=1
     )
     default_class: str = "standard"
+    # Headroom (standing.py): at a full endpoint, a request of a class below one seen on the model in
+    # the last `headroom_window_seconds`, or of a tenant over its weighted share of the model's tokens
+    # in flight, sees the endpoint as full `headroom` slots (and `headroom_tokens` tokens of KV; None:
+    # the capacity's share of those slots) before its limit: those stay free for protected requests.
+    # 0 (and headroom_tokens 0 or None) turns it off: the queue is then purely work-conserving.
+    headroom: Annotated[int, Field(ge=0)] = 1
+    headroom_tokens: Annotated[int, Field(ge=0)] | None = None
+    headroom_window_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
     # Output tokens assumed for a request that sets neither max_completion_tokens nor max_tokens.
     default_max_tokens: Annotated[int, Field(ge=1)] = 256
 

@@ -47,7 +47,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypedDict, cast
 
 from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
@@ -58,6 +58,7 @@ from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
 from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
+from modeldock.flowcontrol.standing import Standing
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
 from modeldock.gateway.settlement import UsageReport
@@ -108,8 +109,14 @@ class Routed:
         self.ticket.release()
 
 
-# What a queued request carries for its pick: prompt blocks, token cost, the gateway's subset hint.
-_Waiting = tuple[Sequence[int], int, frozenset[Endpoint] | None]
+# What a queued request carries for its pick: prompt blocks, token cost, the gateway's subset hint,
+# and its standing's inputs: tenant id, weight, class priority.
+_Waiting = tuple[Sequence[int], int, frozenset[Endpoint] | None, str, float, int]
+
+
+class _Headroom(TypedDict, total=False):
+    headroom: int
+    headroom_tokens: int | None
 
 
 def _release_pick(pick: Pick) -> None:
@@ -180,6 +187,7 @@ class Gateway:
         self.stale_models: frozenset[str] = frozenset()
         # The queue's settings apply from start; tenants' weights and classes follow reloads.
         self.queues: FlowQueues[Pick] = FlowQueues(config.queue, clock, release=_release_pick, metrics=queue_metrics)
+        self.standing = Standing(clock, config.queue.headroom_window_seconds)
         self._dispatching = False
         self._again: set[str] = set()
         picker.add_room_listener(self.dispatch)
@@ -318,20 +326,26 @@ class Gateway:
     async def _pick(self, head: RequestHead, tenant: TenantConfig, model: str, klass: str,
                     prefix: Sequence[int], cost: int, subset: frozenset[Endpoint] | None = None) -> Pick:
         """Pick + count at once when there is room and nobody waits; else wait in the queue."""
+        priority = self.queues.config.priority(klass)
+        self.standing.seen(model, tenant.id, tenant.weight, priority)
         queue = self.queues.waiting(model)
-        if queue is None:
+        headroom = self.headroom(model, tenant.id, tenant.weight, priority)
+        # Nobody waits (the usual path: one call), or this request is protected from those who wait
+        # (a lower class, a tenant over its share): the slots they leave free are its own, so it takes
+        # one at once rather than queue behind one that may not take it.
+        if queue is None or (not headroom and self.queues.config.headroom
+                             and self.standing.contended(model, tenant.id, priority)):
             try:
-                return self.picker.pick(model, prefix, cost=cost, subset=subset)  # the usual path: one call
+                return self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id, **headroom)
             except Saturated:
                 if not self.queues.config.enabled:
                     raise
-            queue = self.queues.get(model)
-            behind = False
-        else:
-            behind = True  # others wait: join them (fair order), then let dispatch decide
+        behind = queue is not None  # others wait: join them (fair order), then let dispatch decide
+        queue = self.queues.get(model)
         max_wait = self.queues.config.max_wait_seconds
         speed = self.picker.ledger.speed(model) if max_wait is not None else 0.0
-        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight, data=(prefix, cost, subset),
+        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight,
+                             data=(prefix, cost, subset, tenant.id, tenant.weight, priority),
                              max_ahead=speed * max_wait if max_wait is not None and speed > 0 else None,
                              wait_hint=max_wait)
         if behind:
@@ -375,11 +389,25 @@ class Gateway:
 
     def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
         """Pick and count for a queued request, or None: still no room."""
-        prefix, cost, subset = cast(_Waiting, item.data)
+        prefix, cost, subset, tenant, weight, priority = cast(_Waiting, item.data)
         try:
-            return self.picker.pick(model, prefix, cost=cost, subset=subset)
+            return self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant,
+                                    **self.headroom(model, tenant, weight, priority))
         except Saturated:
             return None
+
+    def headroom(self, model: str, tenant: str, weight: float, priority: int) -> _Headroom:
+        """The request's standing as the picker takes it: the slots and tokens it must leave free
+        (a class above it active, or its tenant over its share: flowcontrol/standing.py), or none
+        (protected, or headroom off). Only with the queue on: headroom is what it keeps free."""
+        config = self.queues.config
+        if not config.enabled or not (config.headroom or config.headroom_tokens):
+            return {}
+        ledger = self.picker.ledger
+        if self.standing.must_leave_headroom(model, tenant, weight, priority, ledger.tenant_tokens(model, tenant),
+                                             ledger.model_tokens(model)):
+            return {"headroom": config.headroom, "headroom_tokens": config.headroom_tokens}
+        return {}
 
     def request_class(self, tenant: TenantConfig, head: RequestHead) -> str:
         """The queue class: the tenant's, or the one its `x-priority` header asks for if allowed."""

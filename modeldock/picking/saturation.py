@@ -41,6 +41,11 @@ class Saturation:
         wait (an endpoint with nothing in flight always takes one, whatever its size);
       - or its sample is stale (or missing) and the local counts say it is full: the tokens
         rule above, or `stale_max_in_flight` requests in flight when set.
+    Headroom (`over(..., headroom=h, headroom_tokens=t)`, h or t > 0: a request that must leave
+    room for protected ones, a lower class or a tenant over its share): the batch limit rules
+    count `h` slots fewer (never below one) and the tokens rule `t` tokens fewer (by default
+    the capacity's share of `h` slots), so the last slots stay free for the top class and for
+    tenants under their share. A protected request (h = t = 0) may use the last slot.
     Thresholds (the older knobs, None turns each off): a FRESH sample showing
     `waiting >= max_waiting` or `kv >= max_kv`. Stale endpoints are never over a threshold.
 
@@ -70,18 +75,27 @@ class Saturation:
     def enabled(self) -> bool:
         return self.room or self.max_waiting is not None or self.max_kv is not None
 
-    def over(self, s: Signals, cost: int = 0) -> bool:
+    def over(self, s: Signals, cost: int = 0, headroom: int = 0, headroom_tokens: int | None = None) -> bool:
         if self.room:
-            if s.in_flight and s.capacity > 0 and s.committed + cost > s.capacity:
+            limit = s.limit
+            capacity = s.capacity
+            if headroom > 0 and limit > 0:
+                if headroom_tokens is None and capacity > 0:
+                    headroom_tokens = int(capacity * min(headroom, limit - 1) / limit)
+                limit = max(1.0, limit - headroom)
+            if headroom_tokens and capacity > 0:
+                capacity = max(0.0, capacity - headroom_tokens)
+            if s.in_flight and capacity > 0 and s.committed + cost > capacity:
                 return True
             if s.fresh:
                 if s.backlog > 0 or (s.waiting >= 1 and s.kv >= self.kv_full):
                     return True
-                if s.limit > 0 and s.running + s.waiting >= s.limit:
+                if limit > 0 and s.running + s.waiting >= limit:
                     return True
-            elif s.limit > 0 and s.in_flight >= s.limit:
+            elif limit > 0 and s.in_flight >= limit:
                 return True
-            elif self.stale_max_in_flight is not None and s.in_flight >= self.stale_max_in_flight:
+            elif (self.stale_max_in_flight is not None
+                  and s.in_flight >= max(1, self.stale_max_in_flight - headroom)):
                 return True
         if not s.fresh:
             return False

@@ -33,6 +33,11 @@ class PickRequest:
     model: str
     prefix_blocks: tuple[int, ...] = ()  # prefix.prompt_blocks of the prompt
     cost: int = 0  # estimated tokens: prompt + output limit (flowcontrol.cost.estimate_cost)
+    # Its standing: slots (and tokens; None: the capacity's share of those slots) it must leave free
+    # on an endpoint for protected requests (saturation.py); 0 for a protected request.
+    headroom: int = 0
+    headroom_tokens: int | None = None
+    tenant: str = ""  # whose in-flight tokens the lease counts (Ledger.tenant_tokens)
 
 
 class Scorer(Protocol):

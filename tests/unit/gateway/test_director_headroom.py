@@ -1,0 +1,140 @@
+"""Headroom in the director: the standing it passes the picker, and the per-tenant in-flight tokens
+returning to zero on every path a request can take. FakeClock, no gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from modeldock.admission.limits import Admission
+from modeldock.clock import FakeClock
+from modeldock.config import hash_key, parse_config
+from modeldock.errors import RateLimited
+from modeldock.gateway import Gateway, Routed
+from modeldock.gateway.request import RequestHead
+from modeldock.picking import Picker, Sample, Saturation
+from modeldock.types import Endpoint
+
+EP = Endpoint("10.0.0.1", 8000)
+OTHER = Endpoint("10.0.0.2", 8000)
+TENANTS = {"alice": "standard", "bob": "standard", "ivy": "interactive", "bat": "batch"}
+
+
+def _config(queue: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tenants": [{"id": t, "api_key_hashes": [hash_key(f"k-{t}")], "models": ["m"], "priority": c}
+                    for t, c in TENANTS.items()],
+        "models": [{"name": "m", "endpoints": [EP.address, OTHER.address]}],
+        "queue": queue,
+    }
+
+
+class Rig:
+    """One endpoint of batch limit 2 (learned from two pages with a queue), the other not listed."""
+
+    def __init__(self, **queue: Any) -> None:
+        self.clock = FakeClock()
+        config = parse_config(_config(queue))
+        self.picker = Picker(self.clock, fallbacks=0, saturation=Saturation(room=True))
+        self.admission = Admission(config, self.clock)
+        self.gateway = Gateway(config, self.clock, self.picker, self.admission)
+        self.gateway.on_endpoints("m", (EP,))
+        for waiting in (1.0, 1.0, 0.0):
+            self.clock.advance(0.01)
+            self.picker.observe(EP, Sample(waiting, 2.0 if waiting else 0.0, 0.1), self.clock.monotonic())
+
+    def route(self, tenant: str, n: int = 0) -> asyncio.Task[Routed]:
+        head = RequestHead("POST", "/v1/chat/completions", (f"Bearer k-{tenant}",), None, f"{tenant}-{n}", "")
+        body = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 90}).encode()
+        return asyncio.ensure_future(self.gateway.route(head, body))
+
+    def tokens(self, tenant: str) -> int:
+        return self.picker.ledger.tenant_tokens("m", tenant)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
+    rig = Rig()
+    (await rig.route("ivy")).release()  # the top class was seen on the model
+    first = await rig.route("bat", 1)
+    second = rig.route("bat", 2)
+    await _settle()
+    assert not second.done() and len(rig.gateway.queues) == 1  # one slot of two kept free
+    top = await rig.route("ivy", 2)  # ... for this one, at once, past the queued batch request
+    assert top.primary == EP and not second.done()
+    top.release()  # room again, but batch still leaves the last slot while ivy is recent
+    await _settle()
+    assert not second.done()
+    rig.clock.advance(2.5)  # the window passes: batch may use every slot again
+    first.release()
+    await _settle()
+    assert second.done()
+    (await second).release()
+    assert rig.tokens("bat") == rig.tokens("ivy") == rig.picker.ledger.model_tokens("m") == 0
+
+
+async def test_a_tenant_over_its_share_leaves_a_slot_for_one_under_it() -> None:
+    rig = Rig()
+    (await rig.route("bob")).release()  # bob is active on the model
+    first = await rig.route("alice", 1)  # nothing of hers in flight: under her share
+    second = rig.route("alice", 2)
+    await _settle()
+    assert not second.done()  # alice holds everything in flight: over her half
+    under = await rig.route("bob", 2)  # bob, under his share, takes the last slot
+    assert under.primary == EP
+    for routed in (first, under):
+        routed.release()
+    await _settle()
+    (await second).release()
+    assert rig.tokens("alice") == rig.tokens("bob") == 0
+
+
+async def test_headroom_zero_keeps_the_queue_purely_work_conserving() -> None:
+    rig = Rig(headroom=0)
+    (await rig.route("ivy")).release()
+    held = [await rig.route("bat", i) for i in range(2)]  # both slots for batch
+    assert rig.tokens("bat") == sum(r.lease.tokens for r in held) > 0
+    for routed in held:
+        routed.release()
+    assert rig.tokens("bat") == 0
+
+
+async def test_tenant_tokens_return_to_zero_on_every_path() -> None:
+    rig = Rig(ttl_seconds=1.0, max_wait_seconds=None)
+    a = await rig.route("alice", 1)
+    b = await rig.route("alice", 2)
+    assert rig.tokens("alice") == rig.picker.ledger.model_tokens("m") > 0
+    # Cancelled while queued: never counted.
+    cancelled = rig.route("alice", 3)
+    await _settle()
+    cancelled.cancel()
+    await _settle()
+    # Rejected: the queue's TTL.
+    timed_out = rig.route("alice", 4)
+    await _settle()
+    rig.clock.advance(1.5)
+    rig.gateway.dispatch("m")
+    await _settle()
+    assert timed_out.done() and isinstance(timed_out.exception(), RateLimited)
+    # Dispatched and cancelled in the same instant: the claim is released once.
+    late = rig.route("alice", 5)
+    await _settle()
+    assert not late.done()
+    b.release()
+    late.cancel()
+    await _settle()
+    assert late.cancelled() and rig.tokens("alice") == a.lease.tokens > 0
+    # Retried on another endpoint: the tokens move with the lease, still the tenant's.
+    rig.gateway.on_endpoints("m", (EP, OTHER))
+    before = rig.tokens("alice")
+    assert a.lease.move_to(OTHER.address) and rig.tokens("alice") == before
+    # Ended, twice (idempotent).
+    a.release()
+    a.release()
+    assert rig.tokens("alice") == rig.picker.ledger.model_tokens("m") == 0
+    assert rig.picker.total_in_flight() == 0

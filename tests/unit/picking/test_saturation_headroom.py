@@ -1,0 +1,72 @@
+"""The room rule with headroom: a request that must leave it sees an endpoint as full earlier."""
+
+from __future__ import annotations
+
+import pytest
+
+from modeldock.clock import FakeClock
+from modeldock.picking import Picker, Sample, Saturated, Saturation
+from modeldock.picking.signals import Signals
+from modeldock.types import Endpoint
+
+ROOM = Saturation(room=True)
+
+
+def _signals(running: float, *, fresh: bool = True, limit: float = 4.0, capacity: float = 0.0,
+             committed: int = 0, in_flight: int = 0) -> Signals:
+    return Signals(in_flight, fresh, 0.0, running if fresh else 0.0, 0.0, None, committed, capacity, 0.0, 0, 0.0,
+                   limit)
+
+
+def test_headroom_makes_the_last_slot_full_for_those_who_must_leave_it() -> None:
+    s = _signals(running=3)
+    assert not ROOM.over(s)  # a protected request may use the last slot
+    assert ROOM.over(s, headroom=1)
+    assert not ROOM.over(_signals(running=2), headroom=1)
+    assert ROOM.over(_signals(running=2), headroom=2)
+
+
+def test_stale_sample_counts_in_flight_against_the_limit_less_headroom() -> None:
+    s = _signals(running=0, fresh=False, in_flight=3)
+    assert not ROOM.over(s) and ROOM.over(s, headroom=1)
+
+
+def test_headroom_never_closes_an_endpoint_entirely() -> None:
+    # A batch limit of 1 keeps its one slot usable: headroom leaves at least one.
+    assert not ROOM.over(_signals(running=0, limit=1.0), headroom=1)
+    assert ROOM.over(_signals(running=1, limit=1.0), headroom=1)
+
+
+def test_token_headroom_is_the_capacitys_share_of_the_slots_by_default() -> None:
+    # Capacity 1000 over 4 slots: one slot of headroom keeps 250 tokens free.
+    s = _signals(running=1, capacity=1000.0, committed=600, in_flight=1)
+    assert not ROOM.over(s, cost=150) and not ROOM.over(s, cost=150, headroom=1)
+    assert ROOM.over(s, cost=200, headroom=1) and not ROOM.over(s, cost=200)
+    # An explicit token headroom replaces the derived one.
+    assert not ROOM.over(s, cost=200, headroom=1, headroom_tokens=100)
+    assert ROOM.over(s, cost=200, headroom=0, headroom_tokens=300)
+
+
+def test_unknown_limit_and_capacity_leave_the_rule_as_it_was() -> None:
+    s = _signals(running=30, limit=0.0)
+    assert ROOM.over(s, headroom=1) == ROOM.over(s) is False
+
+
+def test_picker_refuses_a_request_that_must_leave_headroom_and_serves_a_protected_one() -> None:
+    clock = FakeClock()
+    ep = Endpoint("10.0.0.1", 8000)
+    picker = Picker(clock, fallbacks=0, saturation=ROOM)
+    picker.set_endpoints("m", [ep])
+    for _ in range(2):  # a queue that lasted two pages at 2 running: batch limit 2
+        clock.advance(0.1)
+        picker.observe(ep, Sample(1.0, 2.0, 0.1), clock.monotonic())
+    clock.advance(0.1)
+    picker.observe(ep, Sample(0.0, 0.0, 0.1), clock.monotonic())
+    first = picker.pick("m", cost=10, tenant="a", headroom=1)
+    with pytest.raises(Saturated):
+        picker.pick("m", cost=10, tenant="a", headroom=1)
+    last = picker.pick("m", cost=10, tenant="b")  # protected: takes the last slot
+    assert picker.ledger.tenant_tokens("m", "a") == 10 and picker.ledger.model_tokens("m") == 20
+    first.lease.release()
+    last.lease.release()
+    assert picker.ledger.tenant_tokens("m", "a") == picker.ledger.model_tokens("m") == 0
