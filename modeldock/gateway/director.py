@@ -46,14 +46,12 @@ import itertools
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TypedDict, cast
 
 from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
-from modeldock.admission.limits import Admission, Ticket
+from modeldock.admission.limits import Admission
 from modeldock.admission.tokens import BYTES_PER_TOKEN, Usage
-from modeldock.admission.tokens import estimate_cost as budget_cost
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
@@ -61,8 +59,9 @@ from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
 from modeldock.flowcontrol.standing import Standing
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
+from modeldock.gateway.routed import Finished, Routed, ask_for_usage, request_cost
 from modeldock.gateway.settlement import UsageReport
-from modeldock.picking import Lease, Pick, Picker, Saturated
+from modeldock.picking import Pick, Picker, Saturated
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.types import Endpoint
 from modeldock.usage.log import UsageLog
@@ -75,38 +74,6 @@ COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MODELS_PATH = "/v1/models"
 # OpenAI's wording, for an unknown model and for one the key may not use alike.
 _NO_SUCH_MODEL = "The model `{}` does not exist or you do not have access to it."
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """Where a routed request goes and what it holds. The caller releases `lease` and
-    `ticket` exactly once, when the HTTP stream ends (`release()`)."""
-
-    tenant: TenantConfig
-    model: str  # the public name the client sent
-    cluster: str  # Envoy's cluster for the model
-    endpoints: str  # override_host list: primary first, then ranked fallbacks
-    primary: Endpoint
-    body: bytes | None  # the body to send upstream instead (an alias rewrite), or None: unchanged
-    route_metadata: Mapping[str, str]  # x-ratelimit-* values the route adds to the response
-    lease: Lease
-    ticket: Ticket
-    # (header, value) the gateway sends the backend (the model's `upstream_auth`); never in a repr or log.
-    upstream_auth: tuple[str, str] | None = field(default=None, repr=False)
-    # Token budgets and usage: the reservation (None when no budget applies), whether Envoy's access log
-    # must bring the request's usage back (`modeldock:usage`), and whether Envoy drops the usage chunk
-    # the gateway asked the backend for (`modeldock:drop_usage`).
-    reservation: Reservation | None = None
-    wants_usage: bool = False
-    drop_usage: bool = False
-    served_model: str = ""
-    cost: int = 0  # estimated tokens (prompt + completion ceiling)
-    prompt_estimate: int = 0
-
-    def release(self) -> None:
-        """Idempotent: both parts ignore a second release."""
-        self.lease.release()
-        self.ticket.release()
 
 
 # What a queued request carries for its pick: prompt blocks, token cost, the gateway's subset hint,
@@ -122,36 +89,6 @@ class _Headroom(TypedDict, total=False):
 def _release_pick(pick: Pick) -> None:
     """A pick the queue made for a waiter that was cancelled in the same instant."""
     pick.lease.release()
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """A routed request whose stream ended, waiting for its usage (settlement.py)."""
-
-    routed: Routed
-    rid: str
-    client_request_id: str
-    retries: int
-
-
-def request_cost(data: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
-    """Tokens to reserve for a request: the one place the director estimates a request's cost."""
-    return budget_cost(data, body_bytes, reserve_completion_tokens)
-
-
-def ask_for_usage(data: dict[str, object]) -> bool:
-    """Make a streaming request ask the backend for its usage (the final chunk). True when the gateway
-    added it, so Envoy must drop that chunk: the client did not ask for it. A request that is not
-    streaming, that asks already, or whose `stream_options` is not an object is left as it is."""
-    if data.get("stream") is not True:
-        return False
-    options = data.get("stream_options")
-    if options is None:
-        data["stream_options"] = {"include_usage": True}
-        return True
-    if not isinstance(options, dict) or options.get("include_usage") is True:
-        return False
-    data["stream_options"] = {**options, "include_usage": True}
-    return True
 
 
 def check_route(head: RequestHead) -> None:

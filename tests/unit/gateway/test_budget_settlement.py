@@ -13,8 +13,8 @@ from modeldock.clock import FakeClock
 from modeldock.config import hash_key
 from modeldock.errors import RateLimited, Unavailable
 from modeldock.gateway import Finished, Gateway, Routed
-from modeldock.gateway.director import ask_for_usage
 from modeldock.gateway.request import RequestHead
+from modeldock.gateway.routed import ask_for_usage
 from modeldock.gateway.settlement import PendingSettlements, UsageReport
 from modeldock.usage.log import UsageLog
 from modeldock.usage.metrics import UsageMetrics
