@@ -36,19 +36,26 @@ DEMO_MODEL = "demo-model"
 # Ports handed to children come from below Linux's ephemeral range (32768-60999 by default): a port
 # the kernel chose with bind(0) is the next one it hands to some outgoing connection, so a child
 # could lose it between our check and its own bind. Here only another free_port() caller can race.
+# A port handed out is not handed out again by this process (its child may not have bound it yet).
 _PORT_LOW, _PORT_HIGH = 20000, 32000
 _ports = random.Random()
+_given: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port that is free now, outside the ephemeral range."""
+    """A loopback port that is free now, outside the ephemeral range, and new to this process."""
     for _ in range(200):
         port = _ports.randrange(_PORT_LOW, _PORT_HIGH)
+        if port in _given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            if len(_given) > (_PORT_HIGH - _PORT_LOW) // 2:
+                _given.clear()  # a long-lived process: start over rather than run dry
+            _given.add(port)
             return port
     with socket.socket() as s:  # the whole range is busy: take what the kernel gives
         s.bind(("127.0.0.1", 0))
