@@ -59,6 +59,10 @@ class Band(Generic[T]):
                 best = item
         return best
 
+    def heads(self) -> list[Item[T]]:
+        """Every flow's head, in the order fair queueing would dispatch them."""
+        return sorted((flow[0] for flow in self.flows.values()), key=lambda item: (item.start, item.seq))
+
     def newest(self) -> Item[T] | None:
         """The most recently enqueued item: the first to shed when the queue is full."""
         best: Item[T] | None = None

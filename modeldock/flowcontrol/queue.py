@@ -227,15 +227,20 @@ class FlowQueue(Generic[T]):
 
     # -- leaving ----------------------------------------------------------------------------
 
-    def dispatch(self, claim: Callable[[Item[T]], T | None]) -> int:
+    def dispatch(self, claim: Callable[[Item[T]], T | None],
+                 protected: Callable[[Item[T]], bool] | None = None) -> int:
         """Hand queued items to their waiters, in order, while `claim` finds room.
 
         `claim(item)` runs synchronously per item: it picks and counts (returning
         the claim, e.g. a lease) or returns None when there is no room, which stops
         dispatch -- the next item in fair order is not skipped, so a large request
-        is not starved by smaller ones behind it. If `claim` raises a Rejection,
-        that item leaves with it and dispatch goes on. `claim` must not call into
-        this queue. Returns the number of items dispatched.
+        is not starved by smaller ones behind it. One exception, `protected`: when
+        the head finds no room and is not protected (it must leave headroom), the
+        heads of the other tenants' flows in its band that are protected are tried,
+        in fair order: the room the head must leave is theirs. FIFO within a tenant
+        and the class order hold, and the head stays first for any room it may use.
+        If `claim` raises a Rejection, that item leaves with it and dispatch goes
+        on. `claim` must not call into this queue. Returns the number dispatched.
         """
         self.expire()
         dispatched = 0
@@ -251,7 +256,12 @@ class FlowQueue(Generic[T]):
                 self._reject(item, exc)
                 continue
             if got is None:
-                break
+                if protected is None or protected(item):
+                    break
+                skipped = self._past(item, claim, protected)
+                if skipped is None:
+                    break
+                item, got = skipped
             self._remove(item, dispatched=True)
             item.state = State.DISPATCHED
             item.claim = got
@@ -260,6 +270,22 @@ class FlowQueue(Generic[T]):
             self._metrics.on_dispatch(self.model, item.tenant, item.klass, self._clock.monotonic() - item.enqueued_at)
             dispatched += 1
         return dispatched
+
+    def _past(self, head: Item[T], claim: Callable[[Item[T]], T | None],
+              protected: Callable[[Item[T]], bool]) -> tuple[Item[T], T] | None:
+        """The first protected flow head of `head`'s band, after it, that `claim` finds room for."""
+        for item in self._by_priority[head.priority].heads():
+            if item is head or item.tenant == head.tenant or item.future.done() or not protected(item):
+                continue
+            try:
+                got = claim(item)
+            except Rejection as exc:
+                self._remove(item)
+                self._reject(item, exc)  # the next item of its flow waits for the next dispatch
+                continue
+            if got is not None:
+                return item, got
+        return None
 
     def expire(self) -> int:
         """Reject every item whose TTL has passed with queue_timeout; returns how many."""

@@ -318,7 +318,8 @@ class Gateway:
                 name = pending.pop()
                 queue = self.queues.waiting(name)
                 if queue is not None:
-                    queue.dispatch(lambda item, name=name: self._claim(name, item))  # type: ignore[misc]
+                    queue.dispatch(lambda item, name=name: self._claim(name, item),  # type: ignore[misc]
+                                   lambda item, name=name: self._protected(name, item))  # type: ignore[misc]
                 pending |= self._again
                 self._again.clear()
         finally:
@@ -332,6 +333,11 @@ class Gateway:
                                     **self.headroom(model, tenant, weight, priority))
         except Saturated:
             return None
+
+    def _protected(self, model: str, item: Item[Pick]) -> bool:
+        """May a queued request use the headroom (the queue then tries it past a head that may not)?"""
+        _, _, _, tenant, weight, priority = cast(_Waiting, item.data)
+        return not self.headroom(model, tenant, weight, priority)
 
     def headroom(self, model: str, tenant: str, weight: float, priority: int) -> _Headroom:
         """The request's standing as the picker takes it: the slots and tokens it must leave free

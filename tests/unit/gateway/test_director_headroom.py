@@ -138,3 +138,25 @@ async def test_tenant_tokens_return_to_zero_on_every_path() -> None:
     a.release()
     assert rig.tokens("alice") == rig.picker.ledger.model_tokens("m") == 0
     assert rig.picker.total_in_flight() == 0
+
+
+async def test_a_protected_request_already_queued_passes_a_head_over_its_share() -> None:
+    rig = Rig()
+    first = await rig.route("alice", 1)
+    bob = await rig.route("bob", 1)  # bob, under his share, takes the last slot
+    second = rig.route("alice", 2)  # both slots full: queued first
+    await _settle()
+    queued = rig.route("bob", 2)  # bob holds his half, no more: protected, but no room either
+    await _settle()
+    assert not second.done() and not queued.done() and len(rig.gateway.queues) == 2
+    bob.release()  # one slot frees: alice, holding all in flight, must leave it; bob may take it
+    await _settle()
+    assert queued.done() and not second.done()
+    taken = await queued
+    assert taken.primary == EP
+    first.release()  # room alice may use: her queued head gets it
+    await _settle()
+    assert second.done()
+    for routed in (taken, await second):
+        routed.release()
+    assert rig.tokens("alice") == rig.tokens("bob") == rig.picker.ledger.model_tokens("m") == 0
