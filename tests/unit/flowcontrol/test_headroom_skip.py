@@ -4,12 +4,11 @@ its band. FakeClock, no gRPC."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from flow_helpers import Harness
 
 from modeldock.errors import Unavailable
-from modeldock.flowcontrol import State
+from modeldock.flowcontrol import Item, State
 
 
 class Room:
@@ -22,10 +21,10 @@ class Room:
         self.order: list[tuple[str, int]] = []
         self.tried: list[tuple[str, int]] = []
 
-    def protected(self, item: Any) -> bool:
+    def protected(self, item: Item[int]) -> bool:
         return item.tenant not in self.over
 
-    def claim(self, item: Any) -> int | None:
+    def claim(self, item: Item[int]) -> int | None:
         self.tried.append((item.tenant, item.seq))
         keep = 0 if self.protected(item) else self.headroom
         if self.free - keep < 1:
@@ -86,7 +85,7 @@ def test_a_rejection_while_skipping_rejects_that_item_and_goes_on(idle_loop: asy
     good = h.queue.enqueue("dan", 100)
     room = Room(free=1, over={"alice"})
 
-    def claim(item: Any) -> int | None:
+    def claim(item: Item[int]) -> int | None:
         if item is bad:
             raise Unavailable("gone", code="x")
         return room.claim(item)
