@@ -13,15 +13,13 @@ Failures raise `RedisUnavailable` (from redis_window), bounded by `timeout_s`.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from modeldock.admission.budget_window import BudgetLimit
-from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply
+from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply, run_script
 from modeldock.admission.window import Decision
 
 KEY_PREFIX = "modeldock:tb:"
@@ -176,13 +174,7 @@ class RedisTokenWindow:
             self._reserve = self._client.register_script(RESERVE_LUA)
             self._settle = self._client.register_script(SETTLE_LUA)
         script = self._reserve if which == "reserve" else self._settle
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await script(keys=keys, args=args)
-        except TimeoutError:
-            raise RedisUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms") from None
-        except (RedisError, OSError) as exc:
-            raise RedisUnavailable(f"{type(exc).__name__}: {exc}") from None
+        return await run_script(script, keys, args, self.timeout_s)
 
     def _now_arg(self) -> int | str:
         return self._now_us() if self._now_us is not None else ""

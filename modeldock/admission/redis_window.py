@@ -134,13 +134,7 @@ class RedisWindow:
         keys = [key for key, _ in limits]
         args: list[int | str] = [self._window_us, f"{self._id_prefix}:{next(self._ids):x}"]
         args.extend(limit for _, limit in limits)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                reply = await script(keys=keys, args=args)
-        except TimeoutError:
-            raise RedisUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms") from None
-        except (RedisError, OSError) as exc:
-            raise RedisUnavailable(f"{type(exc).__name__}: {exc}") from None
+        reply = await run_script(script, keys, args, self.timeout_s)
         return self._decisions(reply, limits)
 
     async def close(self) -> None:
@@ -173,3 +167,14 @@ def decisions_from_reply(reply: Any, limits: Sequence[int]) -> list[Decision]:
         return out
     except (TypeError, ValueError, IndexError) as exc:
         raise RedisUnavailable(f"unexpected script reply: {exc}") from None
+
+
+async def run_script(script: Any, keys: list[str], args: list[int | str], timeout_s: float) -> Any:
+    """One Lua script call, bounded by `timeout_s`; a timeout or a Redis/socket error is RedisUnavailable."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await script(keys=keys, args=args)
+    except TimeoutError:
+        raise RedisUnavailable(f"no answer within {timeout_s * 1000:.0f} ms") from None
+    except (RedisError, OSError) as exc:
+        raise RedisUnavailable(f"{type(exc).__name__}: {exc}") from None
