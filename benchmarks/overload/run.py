@@ -119,6 +119,9 @@ def phase(ctx: Ctx, name: str, plans: Sequence[tuple[Tenant, Sequence[Request]]]
         "name": name, "wall_s": wall, "preemptions": pre, "extproc_cpu_s": cpu, "extproc_idle_cpu_per_s": idle_rate,
         "late_p99_s": nearest_rank(late, 99) if late else None, "load1": os.getloadavg()[0],
         "all": plan.aggregate(outcomes), "tenants": plan.by_tenant(outcomes),
+        # Every request (tenant, planned offset s, TTFT s, E2E s, error), for reading a run's tail.
+        "requests": [(tenant, round(t.request.at, 4), t.ttft, t.e2e, t.record.error)
+                     for tenant, timed in sent for t in timed],
         "ttft_p95_ci": {t: plan.bootstrap_p95([o.ttft for o in outcomes if o.tenant == t and o.ttft is not None])
                         for t in {o.tenant for o in outcomes}},
     }
@@ -234,7 +237,7 @@ def run_config(args: argparse.Namespace, cfg: GatewayConfig, mix: Mix, cap: Capa
         data.update(plan.gateway_config(cfg, plan.TENANTS, [s.address for s in sims]))
 
     with running_stack(run_dir / cfg.name, backends=args.backends, sim_args=sim_args(args), edit_config=edit,
-                       log_level="warning") as stack:
+                       log_level=args.log_level) as stack:
         # The last backend at a fraction of the others' speed: a heterogeneous pool.
         slow = args.speed * args.slow_factor
         http_json("POST", f"{stack.sims[-1].url}/sim/speed", {"speed": slow})
@@ -278,6 +281,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="short phases; writes no docs")
     p.add_argument("--no-write", action="store_true", help="print the report instead of writing docs")
     p.add_argument("--run-dir", type=Path, default=None, help="keep logs and results.json here")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning"),
+                   help="the gateway's log level (info logs every queue decision, joined on the request id)")
     p.add_argument("--report-from", type=Path, default=None, metavar="RUN_DIR",
                    help="run nothing: rewrite the report from RUN_DIR/results.json")
     args = p.parse_args()

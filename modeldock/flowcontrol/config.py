@@ -34,9 +34,10 @@ class QueueConfig(BaseModel):
     )
     default_class: str = "standard"
     # Headroom (standing.py): at a full endpoint, a request of a class below one seen on the model in
-    # the last `headroom_window_seconds`, or of a tenant over its weighted share of the model's tokens
-    # in flight, sees the endpoint as full `headroom` slots (and `headroom_tokens` tokens of KV; None:
-    # the capacity's share of those slots) before its limit: those stay free for protected requests.
+    # the last `headroom_window_seconds`, or of a tenant served over its weighted share of the model's
+    # tokens lately, sees the endpoint as full `headroom` slots (and `headroom_tokens` tokens of KV;
+    # None: per slot, what the recent protected requests cost) before its limit: those stay free for
+    # protected requests.
     # 0 (and headroom_tokens 0 or None) turns it off: the queue is then purely work-conserving.
     headroom: Annotated[int, Field(ge=0)] = 1
     headroom_tokens: Annotated[int, Field(ge=0)] | None = None

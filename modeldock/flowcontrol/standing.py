@@ -3,18 +3,33 @@
 At a full endpoint the work-conserving queue would hand every slot that frees to whoever heads
 the queue, so a request of the top class, or of a tenant under its share, that arrives next waits
 for the next slot to free. Headroom keeps one free: a request must leave it (README "Overload")
-when a class above its own was seen on the model within `window` seconds, or when its tenant
-holds more of the model's in-flight tokens than weight / (sum of the weights of the tenants seen
-within `window`) of them. Everything is O(1) per question (amortised; the class count is fixed
-by the config): the active tenants' weight sum is kept as they come and expire.
+when a class above its own was seen on the model within `window` seconds, or when its tenant was
+recently served more of the model's tokens than weight / (sum of the weights of the tenants seen
+within `window`) of them. "Recently served" is the tokens of the requests dispatched to the model,
+decayed with time constant `window`: a rate, as the fair queue counts. (Tokens in flight would
+not do: under load every request lasts longer, and the tenant whose requests fit the room least
+-- the one sending fewer, larger requests -- holds its tokens longest, so a tenant sending half
+its share would look like one at its share.) Everything is O(1) per question (amortised; the
+class count is fixed by the config): the active tenants' weight sum is kept as they come and
+expire.
+
+How much room to keep is sized to the protected requests themselves: `kept_tokens` is the 90th
+percentile cost of the last `KEPT_SAMPLES` protected requests on the model, so the kept room fits
+nearly every one of them (a fixed share of the KV cache is smaller than many real requests, and
+a protected request that does not fit waits for the next completion like everyone else).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from modeldock.clock import Clock
+
+KEPT_SAMPLES = 32  # protected requests' costs remembered per model
+KEPT_QUANTILE = 0.9
 
 
 @dataclass
@@ -23,6 +38,11 @@ class _Model:
     tenants: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (active until, weight)
     weights: float = 0.0  # sum of the active tenants' weights
     expiries: list[tuple[float, str]] = field(default_factory=list)  # (active until, tenant), lazily pruned
+    costs: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_SAMPLES))  # protected requests' costs
+    served: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (decayed tokens, at)
+    served_total: tuple[float, float] = (0.0, 0.0)  # all tenants' (decayed tokens, at)
+    kept: int | None = None  # the quantile of `costs`, computed when asked after a change
+    stale_kept: bool = False
 
 
 class Standing:
@@ -49,6 +69,27 @@ class Standing:
             m.expiries = [(u, t) for t, (u, _) in m.tenants.items()]
             heapq.heapify(m.expiries)
 
+    def protected(self, model: str, cost: int) -> None:
+        """A protected request of `cost` tokens went to `model`: what the kept room should fit.
+        O(1); the quantile is computed only when an unprotected request asks for it."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _Model()
+        m.costs.append(cost)
+        m.stale_kept = True
+
+    def kept_tokens(self, model: str) -> int | None:
+        """The tokens to keep free per endpoint for protected requests: the 90th percentile of
+        their recent costs on `model`; None before any was seen (the picker's default applies)."""
+        m = self._models.get(model)
+        if m is None or not m.costs:
+            return None
+        if m.stale_kept:
+            ordered = sorted(m.costs)
+            m.kept = ordered[min(len(ordered) - 1, int(KEPT_QUANTILE * len(ordered)))]
+            m.stale_kept = False
+        return m.kept
+
     def active_weight(self, model: str) -> float:
         """Sum of the weights of the tenants seen on `model` within the window."""
         m = self._models.get(model)
@@ -57,10 +98,23 @@ class Standing:
         self._expire(m, self._clock.monotonic())
         return m.weights
 
-    def must_leave_headroom(self, model: str, tenant: str, weight: float, priority: int,
-                            tenant_tokens: int, model_tokens: int) -> bool:
-        """True: a class above `priority` was seen within the window, or `tenant` holds more than
-        its weighted share of the `model_tokens` in flight (`tenant_tokens` of them)."""
+    def served(self, model: str, tenant: str, tokens: int) -> None:
+        """A request of `tenant` costing `tokens` was dispatched to `model` (sent to an endpoint)."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _Model()
+        now = self._clock.monotonic()
+        m.served[tenant] = (self._decayed(m.served.get(tenant), now) + tokens, now)
+        m.served_total = (self._decayed(m.served_total, now) + tokens, now)
+
+    def served_tokens(self, model: str, tenant: str) -> float:
+        """`tenant`'s recently served tokens on `model` (decayed to now)."""
+        m = self._models.get(model)
+        return 0.0 if m is None else self._decayed(m.served.get(tenant), self._clock.monotonic())
+
+    def must_leave_headroom(self, model: str, tenant: str, weight: float, priority: int) -> bool:
+        """True: a class above `priority` was seen within the window, or `tenant` was recently
+        served more than its weighted share of the model's tokens."""
         m = self._models.get(model)
         if m is None:
             return False
@@ -69,13 +123,15 @@ class Standing:
         for other, at in m.classes.items():
             if other > priority and at > since:
                 return True
-        if tenant_tokens <= 0:
+        mine = self._decayed(m.served.get(tenant), now)
+        if mine <= 0.0:
             return False
         self._expire(m, now)
         total = m.weights
         if tenant not in m.tenants:
             total += weight
-        return tenant_tokens * total > weight * model_tokens
+        # A hair of tolerance: alone, a tenant's share is everything, whatever the float rounding.
+        return mine * total > weight * self._decayed(m.served_total, now) * (1.0 + 1e-9)
 
     def contended(self, model: str, tenant: str, priority: int) -> bool:
         """Is anyone else on `model` within the window (a lower class, another tenant), whom the
@@ -90,6 +146,12 @@ class Standing:
         self._expire(m, now)
         return len(m.tenants) > 1 or (len(m.tenants) == 1 and tenant not in m.tenants)
 
+    def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
+        if entry is None:
+            return 0.0
+        value, at = entry
+        return value * math.exp((at - now) / self.window) if now > at else value
+
     @staticmethod
     def _expire(m: _Model, now: float) -> None:
         heap = m.expiries
@@ -99,5 +161,6 @@ class Standing:
             if held is not None and held[0] == until:
                 del m.tenants[tenant]
                 m.weights -= held[1]
+                m.served.pop(tenant, None)  # decayed to a small remainder; the total keeps it a while
         if not m.tenants:
             m.weights = 0.0  # no float drift left behind

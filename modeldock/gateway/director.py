@@ -267,13 +267,17 @@ class Gateway:
         self.standing.seen(model, tenant.id, tenant.weight, priority)
         queue = self.queues.waiting(model)
         headroom = self.headroom(model, tenant.id, tenant.weight, priority)
+        if not headroom:
+            self.standing.protected(model, cost)
         # Nobody waits (the usual path: one call), or this request is protected from those who wait
         # (a lower class, a tenant over its share): the slots they leave free are its own, so it takes
         # one at once rather than queue behind one that may not take it.
         if queue is None or (not headroom and self.queues.config.headroom
                              and self.standing.contended(model, tenant.id, priority)):
             try:
-                return self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id, **headroom)
+                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id, **headroom)
+                self.standing.served(model, tenant.id, cost)
+                return pick
             except Saturated:
                 if not self.queues.config.enabled:
                     raise
@@ -329,10 +333,12 @@ class Gateway:
         """Pick and count for a queued request, or None: still no room."""
         prefix, cost, subset, tenant, weight, priority = cast(_Waiting, item.data)
         try:
-            return self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant,
+            pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant,
                                     **self.headroom(model, tenant, weight, priority))
         except Saturated:
             return None
+        self.standing.served(model, tenant, cost)
+        return pick
 
     def _protected(self, model: str, item: Item[Pick]) -> bool:
         """May a queued request use the headroom (the queue then tries it past a head that may not)?"""
@@ -346,10 +352,12 @@ class Gateway:
         config = self.queues.config
         if not config.enabled or not (config.headroom or config.headroom_tokens):
             return {}
-        ledger = self.picker.ledger
-        if self.standing.must_leave_headroom(model, tenant, weight, priority, ledger.tenant_tokens(model, tenant),
-                                             ledger.model_tokens(model)):
-            return {"headroom": config.headroom, "headroom_tokens": config.headroom_tokens}
+        if self.standing.must_leave_headroom(model, tenant, weight, priority):
+            kept = config.headroom_tokens
+            if kept is None:  # each kept slot sized to the protected requests seen lately (standing.py)
+                one = self.standing.kept_tokens(model)
+                kept = None if one is None else one * config.headroom
+            return {"headroom": config.headroom, "headroom_tokens": kept}
         return {}
 
     def request_class(self, tenant: TenantConfig, head: RequestHead) -> str:

@@ -8,6 +8,8 @@ from typing import Literal
 from modeldock.errors import RateLimited, Rejection, Unavailable
 from modeldock.picking.signals import Signals
 
+UNKNOWN_LIMIT = 4.0  # batch slots assumed for the token headroom while the limit is not learned
+
 
 class Saturated(Rejection):
     """Every candidate is saturated. The gateway's queue catches it (the request waits for
@@ -35,7 +37,8 @@ class Saturation:
         waited: max_num_seqs or the KV bound), so a burst between two samples is not pushed
         into the backend's queue; with a stale sample, this gateway's in-flight count does;
       - its fresh sample shows requests waiting (corrected: picks since the sample count as
-        waiting) while its KV cache is at least `kv_full` used: vLLM is queueing for memory;
+        waiting) while its KV cache is at least `kv_full` used (less the committed tokens of the
+        sample's requests that finished since, with the capacity known): vLLM is queueing for memory;
       - or, its KV capacity known (vllm:cache_config_info), the tokens this gateway has
         committed there plus `cost` exceed it: a request that will not fit would preempt or
         wait (an endpoint with nothing in flight always takes one, whatever its size);
@@ -43,9 +46,11 @@ class Saturation:
         rule above, or `stale_max_in_flight` requests in flight when set.
     Headroom (`over(..., headroom=h, headroom_tokens=t)`, h or t > 0: a request that must leave
     room for protected ones, a lower class or a tenant over its share): the batch limit rules
-    count `h` slots fewer (never below one) and the tokens rule `t` tokens fewer (by default
-    the capacity's share of `h` slots), so the last slots stay free for the top class and for
-    tenants under their share. A protected request (h = t = 0) may use the last slot.
+    count `h` slots fewer (never below one) and the tokens rule `t` tokens fewer (at most half the
+    capacity; by default the capacity's share of `h` slots, of UNKNOWN_LIMIT while the batch
+    limit is not learned: the token rule must keep room even when the backend never queued), so
+    the last slots stay free for the top class and for tenants under their share. A protected
+    request (h = t = 0) may use the last slot.
     Thresholds (the older knobs, None turns each off): a FRESH sample showing
     `waiting >= max_waiting` or `kv >= max_kv`. Stale endpoints are never over a threshold.
 
@@ -79,16 +84,24 @@ class Saturation:
         if self.room:
             limit = s.limit
             capacity = s.capacity
-            if headroom > 0 and limit > 0:
+            if headroom > 0:
                 if headroom_tokens is None and capacity > 0:
-                    headroom_tokens = int(capacity * min(headroom, limit - 1) / limit)
-                limit = max(1.0, limit - headroom)
+                    # The capacity's share of the kept slots; a batch limit not learned yet (the
+                    # backend never queued) counts as UNKNOWN_LIMIT slots.
+                    slots = limit if limit > 0 else UNKNOWN_LIMIT
+                    headroom_tokens = int(capacity * min(headroom, slots - 1) / slots)
+                if limit > 0:
+                    limit = max(1.0, limit - headroom)
             if headroom_tokens and capacity > 0:
-                capacity = max(0.0, capacity - headroom_tokens)
+                # At most half the cache is kept: the others' share never goes to nothing.
+                capacity -= min(float(headroom_tokens), capacity / 2)
             if s.in_flight and capacity > 0 and s.committed + cost > capacity:
                 return True
             if s.fresh:
-                if s.backlog > 0 or (s.waiting >= 1 and s.kv >= self.kv_full):
+                kv = s.kv
+                if s.gone_tokens and s.capacity > 0:  # what finished since the sample freed its KV
+                    kv -= s.gone_tokens / s.capacity
+                if s.backlog > 0 or (s.waiting >= 1 and kv >= self.kv_full):
                     return True
                 if limit > 0 and s.running + s.waiting >= limit:
                     return True

@@ -37,6 +37,9 @@ class Signals(NamedTuple):
     # waiting request in); picks since are not in it. 0 when not fresh.
     backlog: float = 0.0
     limit: float = 0.0  # learned batch limit: the most `running` seen while requests waited; 0: unknown
+    # Committed tokens of the requests in the sample that finished since: KV the sample's `kv` still
+    # counts but the backend has freed (at most: a request may have held less than its limit).
+    gone_tokens: int = 0
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -70,7 +73,8 @@ class Load:
     below it was in the sample (`gone` once it finishes).
     """
 
-    __slots__ = ("capacity", "committed", "counted_at", "counter", "failures", "gone", "last_pick", "leases",
+    __slots__ = ("capacity", "committed", "counted_at", "counter", "failures", "gone", "gone_tokens", "last_pick",
+                 "leases",
                  "drain", "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
@@ -88,6 +92,7 @@ class Load:
         self.mark = 0  # last pick sequence number the sample reflects
         self.new = 0  # in flight and picked after `mark`
         self.gone = 0  # in flight at the sample, finished since
+        self.gone_tokens = 0  # their committed tokens
         self.last_pick = 0  # sequence number of the latest pick here (0: never)
         self.failures = 0  # consecutive scrape failures
 
@@ -113,6 +118,7 @@ class Load:
             self.new_tokens -= tokens
         else:
             self.gone += 1
+            self.gone_tokens += tokens
         return tokens
 
     def learn(self, sample: Sample, taken_at: float) -> None:
@@ -152,17 +158,18 @@ class Load:
         """A new sample reflecting the picks up to `mark`; `in_flight_at` requests
         were in flight when it was taken (None: as many as now)."""
         if in_flight_at is None:
-            self.mark, self.new, self.gone, self.new_tokens = mark, 0, 0, 0
+            self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, 0, 0, 0
             return
         # Picks since the page arrived: the newest leases above the count then.
         extra = len(self.leases) - in_flight_at
         if extra > 0:
             ordered = sorted(self.leases)
             self.mark = ordered[-extra] - 1
-            self.new, self.gone = extra, 0
+            self.new, self.gone, self.gone_tokens = extra, 0, 0
             self.new_tokens = sum(self.leases[seq] for seq in ordered[-extra:])
         else:
-            self.mark, self.new, self.gone, self.new_tokens = mark, 0, -extra, 0
+            # Which finished since the page is not known: no KV credit for them (conservative).
+            self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, -extra, 0, 0
 
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
@@ -173,4 +180,4 @@ class Load:
         waiting, running = correct(sample, self.new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
-                       self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit)
+                       self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens)

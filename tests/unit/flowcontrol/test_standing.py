@@ -2,45 +2,96 @@
 
 from __future__ import annotations
 
+import math
+
 from modeldock.clock import FakeClock
-from modeldock.flowcontrol.standing import Standing
+from modeldock.flowcontrol.standing import KEPT_SAMPLES, Standing
 
 
 def test_a_higher_class_seen_within_the_window_makes_lower_classes_leave_headroom() -> None:
     clock = FakeClock()
     standing = Standing(clock, window=2.0)
-    assert not standing.must_leave_headroom("m", "bat", 1.0, 0, 0, 0)  # nothing seen on the model
+    assert not standing.must_leave_headroom("m", "bat", 1.0, 0)  # nothing seen on the model
     standing.seen("m", "ivy", 1.0, 2)
-    assert standing.must_leave_headroom("m", "bat", 1.0, 0, 0, 0)
-    assert not standing.must_leave_headroom("m", "ivy", 1.0, 2, 0, 0)  # the top class is protected
-    assert not standing.must_leave_headroom("other", "bat", 1.0, 0, 0, 0)  # per model
+    assert standing.must_leave_headroom("m", "bat", 1.0, 0)
+    assert not standing.must_leave_headroom("m", "ivy", 1.0, 2)  # the top class is protected
+    assert not standing.must_leave_headroom("other", "bat", 1.0, 0)  # per model
     clock.advance(2.0)
-    assert not standing.must_leave_headroom("m", "bat", 1.0, 0, 0, 0)  # the window passed
+    assert not standing.must_leave_headroom("m", "bat", 1.0, 0)  # the window passed
 
 
-def test_a_tenant_over_its_weighted_share_of_the_tokens_in_flight_leaves_headroom() -> None:
+def _served(standing: Standing, tenant: str, tokens: int, weight: float = 1.0) -> None:
+    standing.seen("m", tenant, weight, 1)
+    standing.served("m", tenant, tokens)
+
+
+def test_a_tenant_served_over_its_weighted_share_of_the_tokens_leaves_headroom() -> None:
     clock = FakeClock()
     standing = Standing(clock, window=2.0)
-    standing.seen("m", "alice", 1.0, 1)
+    _served(standing, "alice", 900)
     # Alone, a tenant's share is everything: never over it.
-    assert not standing.must_leave_headroom("m", "alice", 1.0, 1, 900, 900)
-    standing.seen("m", "bob", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+    _served(standing, "bob", 300)
     assert standing.active_weight("m") == 2.0
-    assert standing.must_leave_headroom("m", "alice", 1.0, 1, 600, 900)  # 2/3 > 1/2
-    assert not standing.must_leave_headroom("m", "alice", 1.0, 1, 450, 900)  # exactly her share
-    assert not standing.must_leave_headroom("m", "bob", 1.0, 1, 300, 900)
-    assert not standing.must_leave_headroom("m", "bob", 1.0, 1, 0, 900)  # nothing in flight: protected
+    assert standing.must_leave_headroom("m", "alice", 1.0, 1)  # 900 of 1200 > 1/2
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "carol", 1.0, 1)  # nothing served yet: protected
+    _served(standing, "bob", 600)
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)  # exactly her share
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+    _served(standing, "bob", 1)
+    assert standing.must_leave_headroom("m", "bob", 1.0, 1)
     # Weights: with 3 to bob's 1, alice's share is 3/4.
-    standing.seen("m", "alice", 3.0, 1)
+    _served(standing, "alice", 0, weight=3.0)
     assert standing.active_weight("m") == 4.0
-    assert not standing.must_leave_headroom("m", "alice", 3.0, 1, 600, 900)
+    _served(standing, "alice", 1800, weight=3.0)  # 2700 of 3601
+    assert not standing.must_leave_headroom("m", "alice", 3.0, 1)
+
+
+def test_served_tokens_decay_so_a_burst_long_ago_does_not_count_as_now() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0)
+    _served(standing, "alice", 1000)
+    _served(standing, "bob", 400)
+    assert standing.must_leave_headroom("m", "alice", 1.0, 1)
+    clock.advance(2.0)
+    assert abs(standing.served_tokens("m", "alice") - 1000 * math.exp(-1)) < 1e-6
+    # bob now sends more than alice, in a steady stream: the old burst fades and he is the one over.
+    for _ in range(20):
+        clock.advance(0.1)
+        _served(standing, "bob", 100)
+        _served(standing, "alice", 20)
+    assert standing.must_leave_headroom("m", "bob", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+
+
+def test_active_tenants_expire_with_the_window() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0)
+    standing.seen("m", "alice", 3.0, 1)
+    standing.seen("m", "bob", 1.0, 1)
     clock.advance(1.0)
     standing.seen("m", "alice", 3.0, 1)  # alice again; bob's window ends first
     clock.advance(1.5)
     assert standing.active_weight("m") == 3.0
-    assert not standing.must_leave_headroom("m", "alice", 3.0, 1, 900, 900)
     clock.advance(1.0)
     assert standing.active_weight("m") == 0.0
+
+
+def test_kept_tokens_fit_nearly_every_recent_protected_request() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0)
+    assert standing.kept_tokens("m") is None  # nothing seen: the picker's own default applies
+    for cost in range(1, 101):  # only the last KEPT_SAMPLES count: 69..100
+        standing.protected("m", cost)
+    assert len(standing._models["m"].costs) == KEPT_SAMPLES
+    kept = standing.kept_tokens("m")
+    assert kept is not None
+    fits = sum(1 for c in range(101 - KEPT_SAMPLES, 101) if c <= kept)
+    assert 0.85 * KEPT_SAMPLES <= fits < KEPT_SAMPLES  # ~90%: not the largest outlier, nearly all
+    standing.protected("m", 5000)  # a new sample is taken into account at the next question
+    assert standing.kept_tokens("m") == kept + 1
+    assert standing.kept_tokens("other") is None
 
 
 def test_refreshed_tenants_do_not_grow_the_expiry_heap_without_bound() -> None:

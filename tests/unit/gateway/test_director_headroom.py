@@ -1,4 +1,5 @@
-"""Headroom in the director: the standing it passes the picker, and the per-tenant in-flight tokens
+"""Headroom in the director: the standing it passes the picker (a class above, or a tenant served
+over its share), the kept tokens sized to protected requests, and the per-tenant in-flight tokens
 returning to zero on every path a request can take. FakeClock, no gRPC."""
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
 async def test_a_tenant_over_its_share_leaves_a_slot_for_one_under_it() -> None:
     rig = Rig()
     (await rig.route("bob")).release()  # bob is active on the model
-    first = await rig.route("alice", 1)  # nothing of hers in flight: under her share
+    rig.clock.advance(1.0)  # his tokens served fade (time constant: the 2 s window)
+    first = await rig.route("alice", 1)  # nothing of hers served yet: under her share
     second = rig.route("alice", 2)
     await _settle()
-    assert not second.done()  # alice holds everything in flight: over her half
+    assert not second.done()  # alice was served more than bob lately: over her half
     under = await rig.route("bob", 2)  # bob, under his share, takes the last slot
     assert under.primary == EP
     for routed in (first, under):
@@ -142,14 +144,15 @@ async def test_tenant_tokens_return_to_zero_on_every_path() -> None:
 
 async def test_a_protected_request_already_queued_passes_a_head_over_its_share() -> None:
     rig = Rig()
+    (await rig.route("alice", 0)).release()  # alice was served before
     first = await rig.route("alice", 1)
     bob = await rig.route("bob", 1)  # bob, under his share, takes the last slot
     second = rig.route("alice", 2)  # both slots full: queued first
     await _settle()
-    queued = rig.route("bob", 2)  # bob holds his half, no more: protected, but no room either
+    queued = rig.route("bob", 2)  # bob, served a third: protected, but no room either
     await _settle()
     assert not second.done() and not queued.done() and len(rig.gateway.queues) == 2
-    bob.release()  # one slot frees: alice, holding all in flight, must leave it; bob may take it
+    bob.release()  # one slot frees: alice, served two thirds, must leave it; bob may take it
     await _settle()
     assert queued.done() and not second.done()
     taken = await queued
@@ -160,3 +163,17 @@ async def test_a_protected_request_already_queued_passes_a_head_over_its_share()
     for routed in (taken, await second):
         routed.release()
     assert rig.tokens("alice") == rig.tokens("bob") == rig.picker.ledger.model_tokens("m") == 0
+
+
+async def test_the_kept_room_is_sized_to_the_protected_requests_seen() -> None:
+    rig = Rig(headroom=2)
+    (await rig.route("ivy")).release()  # the top class: protected, its cost sampled
+    cost = rig.gateway.standing.kept_tokens("m")
+    assert cost is not None and cost > 0
+    # A lower class must leave two slots, each the size of the protected requests seen.
+    assert rig.gateway.headroom("m", "bat", 1.0, 0) == {"headroom": 2, "headroom_tokens": 2 * cost}
+    assert rig.gateway.headroom("m", "ivy", 1.0, 2) == {}
+    # A configured size replaces it.
+    fixed = Rig(headroom=1, headroom_tokens=123)
+    (await fixed.route("ivy")).release()
+    assert fixed.gateway.headroom("m", "bat", 1.0, 0) == {"headroom": 1, "headroom_tokens": 123}

@@ -6,6 +6,7 @@ import pytest
 
 from modeldock.clock import FakeClock
 from modeldock.picking import Picker, Sample, Saturated, Saturation
+from modeldock.picking.saturation import UNKNOWN_LIMIT
 from modeldock.picking.signals import Signals
 from modeldock.types import Endpoint
 
@@ -70,3 +71,40 @@ def test_picker_refuses_a_request_that_must_leave_headroom_and_serves_a_protecte
     first.lease.release()
     last.lease.release()
     assert picker.ledger.tenant_tokens("m", "a") == picker.ledger.model_tokens("m") == 0
+
+
+def test_token_headroom_applies_before_the_batch_limit_is_learned() -> None:
+    # A backend kept from queueing never shows its limit: the token rule must still keep room,
+    # by default the capacity's share of the kept slots out of UNKNOWN_LIMIT.
+    s = _signals(running=2, limit=0.0, capacity=1000.0, committed=600, in_flight=2)
+    kept = int(1000 * 1 / UNKNOWN_LIMIT)
+    assert not ROOM.over(s, cost=1000 - 600 - kept)
+    assert ROOM.over(s, cost=1000 - 600 - kept + 1, headroom=1)
+    assert not ROOM.over(s, cost=1000 - 600 - kept, headroom=1)
+    # Sized by the caller (the protected requests' costs), whatever the limit.
+    assert ROOM.over(s, cost=101, headroom=1, headroom_tokens=300)
+    assert not ROOM.over(s, cost=100, headroom=1, headroom_tokens=300)
+
+
+def test_at_most_half_the_cache_is_kept() -> None:
+    s = _signals(running=1, limit=0.0, capacity=1000.0, committed=200, in_flight=1)
+    assert not ROOM.over(s, cost=300, headroom=1, headroom_tokens=5000)  # 200 + 300 <= 1000 / 2
+    assert ROOM.over(s, cost=301, headroom=1, headroom_tokens=5000)
+
+
+def test_kv_freed_by_requests_finished_since_the_sample_is_not_counted_as_full() -> None:
+    clock = FakeClock()
+    ep = Endpoint("10.0.0.1", 8000)
+    picker = Picker(clock, fallbacks=0, saturation=ROOM)
+    picker.set_endpoints("m", [ep])
+    leases = [picker.pick("m", cost=400).lease for _ in range(2)]
+    picker.observe(ep, Sample(0.0, 2.0, 0.95, capacity=1000.0), clock.monotonic())  # both in it, KV 95%
+    picker.pick("m", cost=50)  # picked since the sample: counts as waiting
+    with pytest.raises(Saturated):  # waiting at a KV >= 90%: vLLM queues for memory
+        picker.pick("m", cost=50)
+    leases[0].release()  # finished since the sample: its 400 tokens are free again
+    assert picker.ledger.signals(ep).gone_tokens == 400
+    assert picker.pick("m", cost=50).primary == ep
+    # A new sample starts the count over.
+    picker.observe(ep, Sample(0.0, 3.0, 0.5, capacity=1000.0), clock.monotonic())
+    assert picker.ledger.signals(ep).gone_tokens == 0
