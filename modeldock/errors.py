@@ -2,7 +2,8 @@
 
 Each rejection carries the HTTP status, the OpenAI error `type` and `code`, a
 message that is safe to show the client, optional extra response headers, and
-an optional `detail` for the log alone (never sent to the client).
+an optional `detail` for the log alone (never sent to the client), and the
+tenant and model the director had resolved when it refused (for metric labels).
 `modeldock.extproc.responses.rejection_response` is the one place that turns a
 rejection into an Envoy ImmediateResponse.
 """
@@ -31,6 +32,10 @@ class Rejection(Exception):
         if code is not None:
             self.code = code
         self.headers: dict[str, str] = dict(headers or {})
+        # Set by the director: the configured tenant id once the key authenticated and the configured
+        # model name once resolved, else "" (never the client's text: these become metric labels).
+        self.tenant = ""
+        self.model = ""
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}

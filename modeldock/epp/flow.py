@@ -71,6 +71,9 @@ class PickerFlow:
         self.served_by = ""
         self.outcome = "incomplete"
         self.status = 0
+        # Metric labels: the configured tenant id and model name once known, else "" (never client text).
+        self.tenant_id = ""
+        self.model_name = ""
 
     async def handle(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """The answers to one message, in order; none while a FULL_DUPLEX_STREAMED body is coming in."""
@@ -104,6 +107,7 @@ class PickerFlow:
             self._phase = Phase.DONE
             self._chunks = []  # nothing goes on: drop what was held
             self.outcome, self.status = "rejected", rejection.status
+            self.tenant_id, self.model_name = rejection.tenant, rejection.model
             if not self._asked:  # the director logs its own refusals
                 self._log(rejection)
             return [responses.rejection_response(rejection)]
@@ -129,9 +133,10 @@ class PickerFlow:
                                   code="no_ready_endpoints", detail="empty subset hint")
         if head.path == MODELS_PATH:
             self._asked = True
-            names = self._gateway.models(head)
+            tenant, names = self._gateway.models(head)
             self._phase = Phase.DONE
             self.outcome, self.status = "models", 200
+            self.tenant_id = tenant.id
             return [responses.models_response(names)]
         check_route(head)  # 404 / 400 before any body is collected
         if head.content_length is not None:
@@ -156,6 +161,7 @@ class PickerFlow:
         routed = self.routed = await self._gateway.route(self.head, body, subset=self._subset)
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
+        self.tenant_id, self.model_name = routed.tenant.id, routed.model
         destination = routed.endpoints if self._options.fallbacks else routed.primary.address
         sent = routed.body if routed.body is not None else body
         if not self._duplex_request:

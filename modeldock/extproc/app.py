@@ -55,14 +55,16 @@ class ExtProcOptions:
 
 class ExtProcMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        # tenant and model are configured names or "" (config-bounded): see Rejection.tenant.
         self.requests = Counter(
-            "modeldock_requests", "Requests by outcome and status", ["outcome", "status"], registry=registry
+            "modeldock_requests", "Requests by outcome, status, tenant and model",
+            ["outcome", "status", "tenant", "model"], registry=registry,
         )
         self.duration = Histogram(
             "modeldock_request_duration_seconds", "Time from first ext_proc message to end of stream",
             buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry,
         )
-        self._by_outcome: dict[tuple[str, int], Counter] = {}  # labels() children, looked up once
+        self._children: dict[tuple[str, int, str, str], Counter] = {}  # labels() children, looked up once
         self.streams = Gauge("modeldock_extproc_streams", "ext_proc streams open", registry=registry)
         self.in_flight = Gauge("modeldock_in_flight", "Requests counted in flight", registry=registry)
         self.pending_settlements = Gauge(
@@ -77,12 +79,13 @@ class ExtProcMetrics:
                                registry=registry)
 
     def finished(self, flow: RequestFlow | PickerFlow, seconds: float) -> None:
-        key = (flow.outcome, flow.status)
-        counter = self._by_outcome.get(key)
+        key = (flow.outcome, flow.status, flow.tenant_id, flow.model_name)
+        counter = self._children.get(key)
         if counter is None:
             # A proxied request's status is the upstream's, which ext_proc does not see: left empty.
             status = str(flow.status) if flow.status else ""
-            counter = self._by_outcome[key] = self.requests.labels(flow.outcome, status)
+            counter = self._children[key] = self.requests.labels(flow.outcome, status, flow.tenant_id,
+                                                                 flow.model_name)
         counter.inc()
         if flow.outcome == "proxied":
             self.duration.observe(seconds)

@@ -2,8 +2,8 @@
 
 It translates Envoy's messages into the director's calls (`Gateway.route`,
 `Gateway.models`, modeldock/gateway/) and their answers back into protobuf, and
-holds only protocol state: the phase, the `Routed` result, and the outcome and
-status for metrics.
+holds only protocol state: the phase, the `Routed` result, and the outcome,
+status, tenant and model for metrics.
 
 Envoy sends one message per completion request (docs/envoy.md): the buffered
 request body, with the request's method, path, id and Authorization header as
@@ -74,6 +74,9 @@ class RequestFlow:
         self.served_by = ""  # set when Envoy reports a retry onto another endpoint
         self.outcome = "incomplete"
         self.status = 0
+        # Metric labels: the configured tenant id and model name once known, else "" (never client text).
+        self.tenant_id = ""
+        self.model_name = ""
 
     async def handle(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         try:
@@ -88,6 +91,7 @@ class RequestFlow:
         except Rejection as rejection:
             self._phase = Phase.DONE
             self.outcome, self.status = "rejected", rejection.status
+            self.tenant_id, self.model_name = rejection.tenant, rejection.model
             return responses.rejection_response(rejection)
 
     def _on_request_headers(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
@@ -100,9 +104,10 @@ class RequestFlow:
                 raise self._logged(rejection) from None
             # A completion route must not send headers: its body carries the request.
             raise self._logged(_out_of_order())
-        names = self._gateway.models(head)
+        tenant, names = self._gateway.models(head)
         self._phase = Phase.DONE
         self.outcome, self.status = "models", 200
+        self.tenant_id = tenant.id
         return responses.models_response(names)
 
     async def _on_request_body(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
@@ -110,6 +115,7 @@ class RequestFlow:
         routed = self.routed = await self._gateway.route(head, request.request_body.body, self.rid)
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
+        self.tenant_id, self.model_name = routed.tenant.id, routed.model
         return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
                                             routed.route_metadata, rid=self.rid, tenant=routed.tenant.id,
                                             upstream_auth=routed.upstream_auth, usage=routed.wants_usage,

@@ -168,6 +168,7 @@ class Gateway:
         `subset`: only these endpoints may serve it (a gateway's hint, modeldock/epp/)."""
         tenant: TenantConfig | None = None
         model: str | None = None
+        resolved = ""  # the model's configured name once resolve_model took it (a bounded metric label)
         try:
             check_route(head)
             tenant = self.keys.authenticate(bearer_key(head.authorization))
@@ -175,6 +176,7 @@ class Gateway:
             data = parse_body(body)
             model = str(data["model"])
             config = self.resolve_model(tenant, model)
+            resolved = config.name
             rewrite = config.upstream_name != model
             if rewrite:
                 data["model"] = config.upstream_name
@@ -203,6 +205,7 @@ class Gateway:
                 raise
         except Rejection as rejection:
             self._log_rejection(head, rejection, tenant, model)
+            rejection.tenant, rejection.model = tenant.id if tenant else "", resolved
             raise
         wants_usage = self.records_on or (reservation is not None and reservation.counted)
         drop_usage = wants_usage and ask_for_usage(data)
@@ -246,8 +249,8 @@ class Gateway:
             cancelled=report.cancelled if report is not None else False, retries=max(retries, 0),
         ))
 
-    def models(self, head: RequestHead) -> list[str]:
-        """`GET /v1/models`: the model names the caller's tenant may use."""
+    def models(self, head: RequestHead) -> tuple[TenantConfig, list[str]]:
+        """`GET /v1/models`: the caller's tenant and the model names it may use."""
         tenant: TenantConfig | None = None
         try:
             if head.method != "GET":
@@ -255,8 +258,9 @@ class Gateway:
             tenant = self.keys.authenticate(bearer_key(head.authorization))
         except Rejection as rejection:
             self._log_rejection(head, rejection, tenant, None)
+            rejection.tenant = tenant.id if tenant else ""
             raise
-        return self.visible_models(tenant)
+        return tenant, self.visible_models(tenant)
 
     # -- the queue -------------------------------------------------------
 
