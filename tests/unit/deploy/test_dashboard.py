@@ -42,9 +42,10 @@ def modeldock_registry() -> CollectorRegistry:
     that feeds it, so its labels show (a labelled family shows none until then)."""
     registry = CollectorRegistry()
     extproc = ExtProcMetrics(registry)
-    for outcome, status in (("proxied", 0), ("rejected", 429)):
+    for outcome, status, tenant, model in (("proxied", 0, "t", "m"), ("rejected", 429, "t", "m"),
+                                           ("rejected", 401, "", "")):
         flow = RequestFlow(cast(Gateway, None))
-        flow.outcome, flow.status = outcome, status
+        flow.outcome, flow.status, flow.tenant_id, flow.model_name = outcome, status, tenant, model
         extproc.finished(flow, 0.2)
         extproc.retried(flow)
     PickerMetrics(registry, "least_load", lambda: [EndpointRow("10.0.0.1:8000", 2, 0.5, 0.1, 0)])
@@ -129,6 +130,21 @@ def test_every_area_has_a_panel() -> None:
         assert name in used, f"no panel reads {name}"
 
 
+def test_requests_and_errors_by_tenant_and_model() -> None:
+    """The row the tenant and model labels of modeldock_requests_total are for, filtered by the variables."""
+    assert EXPORTED["modeldock_requests_total"].labels == {"outcome", "status", "tenant", "model"}
+    by_title = {p["title"]: p for p in panels(DASHBOARD)}
+    assert by_title["Requests and errors by tenant and model"]["type"] == "row"
+    for title, grouped in (("Requests by tenant and model", {"tenant", "model"}),
+                           ("Errors by tenant and model", {"tenant", "model", "status"})):
+        [target] = by_title[title]["targets"]
+        query = parse(target["expr"])
+        [selector] = query.selectors
+        assert selector.name == "modeldock_requests_total" and query.grouping == grouped, title
+        assert {"tenant", "model"} <= selector.labels, f"{title} follows the tenant and model variables"
+        assert ('outcome="rejected"' in target["expr"]) == title.startswith("Errors"), title
+
+
 def _edit(change: Callable[[str], str]) -> Dashboard:
     text = change(json.dumps(DASHBOARD))
     edited: Dashboard = json.loads(text)
@@ -151,8 +167,10 @@ def _first_expr(dashboard: Dashboard, needle: str) -> dict[str, Any]:
     # a histogram's family name rather than one of its series
     ("sum(rate(modeldock_queue_wait_seconds[5m]))", "modeldock_queue_wait_seconds is exported by nothing"),
     # a label the series does not carry
-    ('sum(rate(modeldock_requests_total{tenant=~"$tenant"}[5m]))', "has no label 'tenant'"),
-    ("sum by (tenant) (rate(modeldock_requests_total[5m]))", "groups by 'tenant'"),
+    ('sum(rate(modeldock_retries_seen_total{tenant=~"$tenant"}[5m]))', "has no label 'tenant'"),
+    ("sum by (tenant) (rate(modeldock_retries_seen_total[5m]))", "groups by 'tenant'"),
+    ('sum(rate(modeldock_requests_total{tenant_id=~"$tenant"}[5m]))', "has no label 'tenant_id'"),
+    ("sum by (endpoint) (rate(modeldock_requests_total[5m]))", "groups by 'endpoint'"),
     # rate() over a gauge, a quantile over a counter
     ("sum(rate(modeldock_queue_length[5m]))", "rate() over modeldock_queue_length, a gauge"),
     ("histogram_quantile(0.9, sum by (le) (rate(modeldock_requests_total[5m])))", "histogram_quantile() over"),
@@ -170,9 +188,9 @@ def test_the_check_fails_on_a_wrong_query(expr: str, expected: str) -> None:
 
 
 def test_the_check_fails_on_a_wrong_variable_query() -> None:
-    dashboard = _edit(lambda text: text.replace("label_values(modeldock_tokens_total",
-                                                "label_values(modeldock_token_total"))
-    assert any("variable 'tenant'" in p and "modeldock_token_total" in p for p in problems(dashboard, EXPORTED))
+    dashboard = _edit(lambda text: text.replace("label_values(modeldock_requests_total",
+                                                "label_values(modeldock_request_total"))
+    assert any("variable 'tenant'" in p and "modeldock_request_total" in p for p in problems(dashboard, EXPORTED))
     dashboard = _edit(lambda text: text.replace("label_values(modeldock_xds_endpoints, model)",
                                                 "label_values(modeldock_xds_endpoints, tenant)"))
     assert any("has no label 'tenant'" in p for p in problems(dashboard, EXPORTED))
