@@ -8,9 +8,10 @@ from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.dashboard import ENVOY_SERIES, Series, load_dashboard, problems, series_from_text
-from tests.support.stack import running_stack
+from tests.support.stack import running_stack, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -22,6 +23,13 @@ def scrape(url: str) -> str:
     return text
 
 
+def requests_counted(page: str) -> dict[tuple[str, str, str, str], float]:
+    """modeldock_requests_total on an ext_proc page: (outcome, status, tenant, model) -> count."""
+    return {(s.labels["outcome"], s.labels["status"], s.labels["tenant"], s.labels["model"]): s.value
+            for family in text_string_to_metric_families(page) for s in family.samples
+            if s.name == "modeldock_requests_total"}
+
+
 def test_the_dashboard_reads_series_the_running_stack_exports(tmp_path: Path) -> None:
     with running_stack(tmp_path / "run", backends=1) as stack:
         client = stack.openai()
@@ -30,9 +38,19 @@ def test_the_dashboard_reads_series_the_running_stack_exports(tmp_path: Path) ->
                                            max_tokens=4)
         with pytest.raises(openai.AuthenticationError):  # a rejection, for modeldock_requests_total's status
             stack.openai(api_key="md-wrong-key-0000000000").models.list()
+        with pytest.raises(openai.NotFoundError):  # authenticated, but the client's model name is no label
+            client.chat.completions.create(model="no-such-model-7", messages=[{"role": "user", "content": "hi"}])
+        extproc = f"http://127.0.0.1:{stack.extproc_metrics_port}/metrics"
+        # ext_proc counts a proxied request when its stream ends, just after the client has the answer.
+        wait_until(lambda: requests_counted(scrape(extproc)).get(("proxied", "", "acme", "demo-model")) == 2, 5,
+                   what="both completions counted under acme and demo-model")
         envoy = scrape(f"{stack.admin_url}/stats/prometheus")
         pages = [scrape(f"http://127.0.0.1:{port}/metrics")
                  for port in (stack.extproc_metrics_port, stack.xds_metrics_port, stack.sims[0].port)]
+
+    # The tenant and model labels the "by tenant and model" panels group by: configured names or empty.
+    assert requests_counted(pages[0]) == {("proxied", "", "acme", "demo-model"): 2,
+                                          ("rejected", "401", "", ""): 1, ("rejected", "404", "acme", ""): 1}
 
     # Envoy's page names its counters without _total, so only its samples count.
     live: dict[str, Series] = series_from_text(envoy, derive=False)

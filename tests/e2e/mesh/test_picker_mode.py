@@ -8,12 +8,14 @@ header of an ORIGINAL_DST cluster, the picker over TLS. Istio: the ranked list i
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.stack import API_KEY, Sim, Stack, raw_request, running_stack, wait_until
 
@@ -70,6 +72,40 @@ def test_models_and_unknown_models_are_answered_by_the_picker(stack: Stack) -> N
     with pytest.raises(openai.NotFoundError) as caught:
         stack.openai().chat.completions.create(model="nope", messages=MSG)
     assert caught.value.response.json()["error"]["code"] == "model_not_found"
+
+
+def requests_counted(stack: Stack) -> dict[tuple[str, str, str, str], float]:
+    """modeldock_requests_total on ext_proc's page: (outcome, status, tenant, model) -> count."""
+    url = f"http://127.0.0.1:{stack.extproc_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 (loopback)
+        page = resp.read().decode()
+    return {(s.labels["outcome"], s.labels["status"], s.labels["tenant"], s.labels["model"]): s.value
+            for family in text_string_to_metric_families(page) for s in family.samples
+            if s.name == "modeldock_requests_total"}
+
+
+def test_requests_count_under_the_tenant_and_model_the_picker_resolved(stack: Stack) -> None:
+    # A request is counted when its ext_proc stream ends, which may come a little after the client has the
+    # answer (an earlier test's): start from a quiet gateway.
+    wait_until(lambda: stack.metric("modeldock_extproc_streams") == 0, 5, what="no ext_proc stream open")
+    before = requests_counted(stack)
+    stack.openai().chat.completions.create(model="demo-model", messages=MSG, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        stack.openai().chat.completions.create(model="no-such-model-7", messages=MSG)
+    with pytest.raises(openai.AuthenticationError):
+        stack.openai(api_key="md-wrong-key").models.list()
+    expected = {("proxied", "", "acme", "demo-model"): 1, ("rejected", "404", "acme", ""): 1,
+                ("rejected", "401", "", ""): 1}
+
+    def grown() -> dict[tuple[str, str, str, str], float]:
+        now = requests_counted(stack)
+        return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+    try:
+        wait_until(lambda: grown() == expected, 5)
+    except AssertionError:
+        raise AssertionError(f"counted {grown()}, expected {expected}") from None
+    assert all(model in ("", "demo-model", "other-model") for _, _, _, model in requests_counted(stack))
 
 
 def test_a_client_chosen_destination_header_is_not_honoured(stack: Stack) -> None:
