@@ -241,6 +241,15 @@ def check_outcome(flow: RequestFlow, first: ep.ProcessingResponse | None) -> Non
     else:
         code = first.immediate_response.status.code
         assert (flow.outcome, flow.status) == ("models" if code == 200 else "rejected", code)
+    # Metric labels: configured names or empty, whatever the client sent (the series stay bounded).
+    assert flow.tenant_id in ("", *TENANTS) and flow.model_name in ("", *VISIBLE["free"]), (flow.tenant_id,
+                                                                                          flow.model_name)
+    if flow.routed is not None:
+        assert (flow.tenant_id, flow.model_name) == (flow.routed.tenant.id, flow.routed.model)
+    elif flow.outcome == "models":
+        assert flow.tenant_id and not flow.model_name
+    elif flow.outcome == "rejected" and flow.status == 401:
+        assert (flow.tenant_id, flow.model_name) == ("", "")
 
 
 @dataclass
