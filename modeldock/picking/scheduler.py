@@ -26,6 +26,8 @@ _Keyed = tuple[bool, float, float, Endpoint]
 # above the score of a stale KV reading of one request (routing benchmark trials: 0.03 left `shared`
 # at 0.83x round robin, 0.06 at 0.99x, with `mixed` unchanged; see benchmarks/routing/README.md).
 NEAR_TIE = 0.06
+# Near ties slower than this share of the fastest near tie's learned speed are not spaced into.
+SLOWER = 0.8
 
 
 @runtime_checkable
@@ -174,19 +176,33 @@ class Scheduler:
         load cannot tell endpoints apart, picks are spaced out like round robin
         instead of landing at random. The in-flight count is exact and current
         (the score's sample terms may be a scrape old), so a near tie never
-        sends a request to an endpoint holding more than the best one."""
+        sends a request to an endpoint holding more than the best one.
+
+        Speed breaks the tie first: among near ties, one under SLOWER of the
+        fastest one's learned speed is passed over (at equal load a faster
+        backend gives the first token sooner: its steps are shorter). It still
+        leads when it holds fewer requests than the others, so load balances."""
         assert self._near_tie is not None
         limit = ranked[0][1] + self._near_tie
         loads = self._ledger.loads
-        best = loads.get(ranked[0][3], NO_LOAD)
-        lead, oldest, most = 0, best.last_pick, best.in_flight
+        near = 1
+        fastest = loads.get(ranked[0][3], NO_LOAD).speed
         for i in range(1, len(ranked)):
             over, score, _, ep = ranked[i]
             if over or score > limit:
                 break
-            load = loads.get(ep, NO_LOAD)
-            if load.last_pick < oldest and load.in_flight <= most:
-                lead, oldest = i, load.last_pick
+            near += 1
+            fastest = max(fastest, loads.get(ep, NO_LOAD).speed)
+        floor = fastest * SLOWER  # 0 while no speed is known: nobody is passed over
+        best = loads.get(ranked[0][3], NO_LOAD)
+        lead, oldest, most = 0, best.last_pick, best.in_flight
+        slow = 0 < best.speed < floor
+        for i in range(1, near):
+            load = loads.get(ranked[i][3], NO_LOAD)
+            if load.in_flight > most or (load.speed < floor and load.speed > 0):
+                continue
+            if slow or load.last_pick < oldest:
+                lead, oldest, slow = i, load.last_pick, False
         return lead
 
     def _two_choices(self, request: PickRequest, candidates: Sequence[Endpoint], count: int) -> list[Endpoint] | None:

@@ -272,3 +272,46 @@ def test_new_and_gone_stay_consistent(ops: list[tuple[str, int]], seed: int) -> 
     for lease in leases:
         lease.release()
     assert picker.total_in_flight() == 0
+
+
+def _learn_speed(picker: Picker, clock: FakeClock, ep: Endpoint, tokens_per_s: float) -> None:
+    """Two busy pages a second apart: the endpoint's speed is learned from its token counter."""
+    for total in (0.0, tokens_per_s):
+        clock.advance(1.0)
+        picker.observe(ep, Sample(0.0, 1.0, 0.3, tokens_total=total), clock.monotonic())
+
+
+def test_a_near_tie_is_not_spaced_into_a_much_slower_endpoint(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker()
+    fast, other, slow = endpoints(3)
+    picker.set_endpoints("m", [fast, other, slow])
+    for ep, speed in ((fast, 1000.0), (other, 900.0), (slow, 500.0)):
+        _learn_speed(picker, clock, ep, speed)
+    for ep in (fast, other, slow):  # fresh and equal pages (a page without counters keeps the speed)
+        observe(picker, clock, ep, waiting=0, running=1, kv=0.3)
+    chosen = []
+    for _ in range(6):
+        pick = picker.pick("m")
+        chosen.append(pick.primary)
+        pick.lease.release()  # equal load every time
+    assert slow not in chosen  # 0.5x: passed over while the others are as loaded
+    assert Counter(chosen) == {fast: 3, other: 3}  # 0.9x is within SLOWER: spaced as before
+    # Holding fewer requests than the others, the slow one leads: load still balances.
+    held = [picker.pick("m").lease for _ in range(2)]
+    assert {lease.endpoint for lease in held} == {fast, other}
+    assert picker.pick("m").primary == slow
+
+
+def test_an_unknown_speed_is_not_passed_over(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker()
+    known, unknown = endpoints(2)
+    picker.set_endpoints("m", [known, unknown])
+    _learn_speed(picker, clock, known, 1000.0)
+    for ep in (known, unknown):
+        observe(picker, clock, ep, waiting=0, running=1, kv=0.3)
+    chosen = []
+    for _ in range(4):
+        pick = picker.pick("m")
+        chosen.append(pick.primary)
+        pick.lease.release()
+    assert Counter(chosen) == {known: 2, unknown: 2}
