@@ -275,11 +275,12 @@ class Gateway:
             self.standing.protected(model, cost)
         # Nobody waits (the usual path: one call), or this request is protected from those who wait
         # (a lower class, a tenant over its share): the slots they leave free are its own, so it takes
-        # one at once rather than queue behind one that may not take it.
-        if queue is None or (not headroom and self.queues.config.headroom
-                             and self.standing.contended(model, tenant.id, priority)):
+        # one at once rather than queue behind one that may not take it, on a fast endpoint.
+        fast = self._prefer_fast(model, tenant.id, priority, headroom)
+        if queue is None or fast:
             try:
-                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id, **headroom)
+                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id,
+                                        prefer_fast=fast, **headroom)
                 self.standing.served(model, tenant.id, cost)
                 return pick
             except Saturated:
@@ -336,13 +337,19 @@ class Gateway:
     def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
         """Pick and count for a queued request, or None: still no room."""
         prefix, cost, subset, tenant, weight, priority = cast(_Waiting, item.data)
+        headroom = self.headroom(model, tenant, weight, priority)
         try:
             pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant,
-                                    **self.headroom(model, tenant, weight, priority))
+                                    prefer_fast=self._prefer_fast(model, tenant, priority, headroom), **headroom)
         except Saturated:
             return None
         self.standing.served(model, tenant, cost)
         return pick
+
+    def _prefer_fast(self, model: str, tenant: str, priority: int, headroom: _Headroom) -> bool:
+        """A protected request while others on the model must leave it room (headroom on)."""
+        return (not headroom and bool(self.queues.config.headroom)
+                and self.standing.contended(model, tenant, priority))
 
     def _protected(self, model: str, item: Item[Pick]) -> bool:
         """May a queued request use the headroom (the queue then tries it past a head that may not)?"""

@@ -177,3 +177,18 @@ async def test_the_kept_room_is_sized_to_the_protected_requests_seen() -> None:
     fixed = Rig(headroom=1, headroom_tokens=123)
     (await fixed.route("ivy")).release()
     assert fixed.gateway.headroom("m", "bat", 1.0, 0) == {"headroom": 1, "headroom_tokens": 123}
+
+
+async def test_only_a_protected_request_in_contention_prefers_a_fast_endpoint() -> None:
+    rig = Rig()
+    (await rig.route("ivy")).release()
+    top = rig.gateway.headroom("m", "ivy", 1.0, 2)
+    assert not rig.gateway._prefer_fast("m", "ivy", 2, top)  # alone on the model: spaced as usual
+    (await rig.route("bat")).release()  # a lower class is active: ivy's room is kept from it
+    assert rig.gateway._prefer_fast("m", "ivy", 2, top)
+    low = rig.gateway.headroom("m", "bat", 1.0, 0)
+    assert low and not rig.gateway._prefer_fast("m", "bat", 0, low)  # it must leave room: no
+    off = Rig(headroom=0)
+    (await off.route("ivy")).release()
+    (await off.route("bat")).release()
+    assert not off.gateway._prefer_fast("m", "ivy", 2, {})  # headroom off: nothing is protected

@@ -281,25 +281,41 @@ def _learn_speed(picker: Picker, clock: FakeClock, ep: Endpoint, tokens_per_s: f
         picker.observe(ep, Sample(0.0, 1.0, 0.3, tokens_total=total), clock.monotonic())
 
 
-def test_a_near_tie_is_not_spaced_into_a_much_slower_endpoint(make_picker: MakePicker, clock: FakeClock) -> None:
+def _three_speeds(make_picker: MakePicker, clock: FakeClock) -> tuple[Picker, list[Endpoint]]:
     picker = make_picker()
-    fast, other, slow = endpoints(3)
-    picker.set_endpoints("m", [fast, other, slow])
-    for ep, speed in ((fast, 1000.0), (other, 900.0), (slow, 500.0)):
+    eps = endpoints(3)  # 1.0x, 0.9x, 0.5x
+    picker.set_endpoints("m", eps)
+    for ep, speed in zip(eps, (1000.0, 900.0, 500.0), strict=True):
         _learn_speed(picker, clock, ep, speed)
-    for ep in (fast, other, slow):  # fresh and equal pages (a page without counters keeps the speed)
+    for ep in eps:  # fresh and equal pages (a page without counters keeps the speed)
         observe(picker, clock, ep, waiting=0, running=1, kv=0.3)
-    chosen = []
-    for _ in range(6):
-        pick = picker.pick("m")
-        chosen.append(pick.primary)
+    return picker, eps
+
+
+def _rotation(picker: Picker, n: int, **kwargs: bool) -> Counter[Endpoint]:
+    chosen: Counter[Endpoint] = Counter()
+    for _ in range(n):
+        pick = picker.pick("m", **kwargs)  # type: ignore[arg-type]
+        chosen[pick.primary] += 1
         pick.lease.release()  # equal load every time
-    assert slow not in chosen  # 0.5x: passed over while the others are as loaded
-    assert Counter(chosen) == {fast: 3, other: 3}  # 0.9x is within SLOWER: spaced as before
+    return chosen
+
+
+def test_a_request_preferring_fast_is_not_spaced_into_a_much_slower_endpoint(
+        make_picker: MakePicker, clock: FakeClock) -> None:
+    picker, (fast, other, slow) = _three_speeds(make_picker, clock)
+    # 0.5x is passed over while the others are as loaded; 0.9x is within SLOWER: spaced as before.
+    assert _rotation(picker, 6, prefer_fast=True) == {fast: 3, other: 3}
     # Holding fewer requests than the others, the slow one leads: load still balances.
-    held = [picker.pick("m").lease for _ in range(2)]
+    held = [picker.pick("m", prefer_fast=True).lease for _ in range(2)]
     assert {lease.endpoint for lease in held} == {fast, other}
-    assert picker.pick("m").primary == slow
+    assert picker.pick("m", prefer_fast=True).primary == slow
+
+
+def test_other_requests_are_spaced_over_every_near_tie_whatever_its_speed(
+        make_picker: MakePicker, clock: FakeClock) -> None:
+    picker, eps = _three_speeds(make_picker, clock)
+    assert _rotation(picker, 6) == {ep: 2 for ep in eps}
 
 
 def test_an_unknown_speed_is_not_passed_over(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -309,9 +325,4 @@ def test_an_unknown_speed_is_not_passed_over(make_picker: MakePicker, clock: Fak
     _learn_speed(picker, clock, known, 1000.0)
     for ep in (known, unknown):
         observe(picker, clock, ep, waiting=0, running=1, kv=0.3)
-    chosen = []
-    for _ in range(4):
-        pick = picker.pick("m")
-        chosen.append(pick.primary)
-        pick.lease.release()
-    assert Counter(chosen) == {known: 2, unknown: 2}
+    assert _rotation(picker, 4, prefer_fast=True) == {known: 2, unknown: 2}
