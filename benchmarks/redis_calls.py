@@ -11,6 +11,9 @@ round by round; the best round counts (noise only adds).
                     (redis-py then sends SCRIPT EXISTS before every pipeline)
   pipe-evalsha-K    K pairs per pipeline, queued as EVALSHA
   batcher           modeldock.admission.redis_batch.RedisBatch: reserve awaited, settle deferred
+  budgets-local     TokenBudgets.reserve + finish_nowait per request, local windows only (per request)
+  budgets-redis     the same with the windows in Redis: what the Redis budget adds per request
+  *-lean            a plain ConnectionPool without socket_timeout (the call is bounded by asyncio.timeout)
 
 Run with hiredis on the path (`PYTHONPATH=/path/to/hiredis`) to see what its parser changes; the
 header says which parser ran. Prints only; nothing is written to docs.
@@ -36,8 +39,12 @@ from redis.backoff import NoBackoff  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
 from modeldock.admission.budget_redis import RESERVE_LUA, SETTLE_LUA  # noqa: E402
+from modeldock.admission.budgets import TokenBudgets  # noqa: E402
 from modeldock.admission.redis_batch import RedisBatch, Script  # noqa: E402
 from modeldock.admission.redis_window import make_redis_client, run_script  # noqa: E402
+from modeldock.admission.tokens import Usage  # noqa: E402
+from modeldock.clock import SystemClock  # noqa: E402
+from modeldock.config import Config, LimitsConfig, ModelConfig, TenantConfig, hash_key  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 KEYS = ["bench:{t}:minute", "bench:{t}:minute:amt", "bench:{t}:day", "bench:{t}:day:amt"]
@@ -55,7 +62,7 @@ def settle_args(rid: str) -> list[int | str]:
     return [rid, 7, "", 60_000_000, 86_400_000_000]
 
 
-def plain_client(url: str, socket_timeout: float | None = TIMEOUT_S) -> Redis:
+def plain_client(url: str, socket_timeout: float | None = TIMEOUT_S) -> Redis:  # redis-py's default: 5 s
     """A plain ConnectionPool; `socket_timeout=None` leaves the bound to the caller's asyncio.timeout
     (redis-py wraps every send in asyncio.wait_for, a task per command, when it is set)."""
     pool = ConnectionPool.from_url(url, max_connections=64, socket_timeout=socket_timeout,
@@ -107,6 +114,21 @@ async def batcher_pairs(factory: Callable[[], Redis]) -> tuple[Pair, Callable[[]
     return pair, batch.close
 
 
+async def budget_requests(redis_url: str | None) -> tuple[Pair, Callable[[], Awaitable[None]]]:
+    """TokenBudgets as the gateway uses it: reserve on the request path, then settle without waiting."""
+    tenant = TenantConfig(id="t", api_key_hashes=[hash_key("k")], models=["*"],
+                          tokens_per_minute=10**12, tokens_per_day=10**12)
+    config = Config(tenants=[tenant], models=[ModelConfig(name="m", endpoints=["127.0.0.1:8000"])],
+                    limits=LimitsConfig(redis_url=redis_url, redis_timeout_ms=1000))
+    budgets = TokenBudgets(config, SystemClock())
+
+    async def request() -> None:
+        reservation = await budgets.reserve(tenant, "m", 100, f"q{next(_ids)}")
+        reservation.finish_nowait(reached_backend=True, usage=Usage(prompt_tokens=20, completion_tokens=30))
+
+    return request, budgets.close
+
+
 async def measure(make: Callable[[], Awaitable[tuple[Pair, Callable[[], Awaitable[None]]]]],
                   pairs: int, concurrency: int, per_call: int) -> float:
     """CPU µs per reserve+settle pair; `per_call` pairs are done by one call of the returned function."""
@@ -131,10 +153,13 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2000, help="reserve+settle pairs per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated variant name prefixes to run")
     opts = parser.parse_args()
     server = RedisServer().start()
     url = server.url
     variants: dict[str, tuple[Callable[[], Awaitable[tuple[Pair, Callable[[], Awaitable[None]]]]], int, bool]] = {
+        "budgets-local": (lambda: budget_requests(None), 1, True),
+        "budgets-redis": (lambda: budget_requests(url), 1, True),
         "script-blocking": (lambda: script_pairs(make_redis_client(url, TIMEOUT_S)), 1, True),
         "script-plain": (lambda: script_pairs(plain_client(url)), 1, True),
         "script-lean": (lambda: script_pairs(plain_client(url, None)), 1, True),
@@ -147,6 +172,8 @@ async def main() -> None:
     variants["pipe-evalsha-1-lean"] = (lambda: pipeline_batches(plain_client(url, None), 1, False), 1, True)
     variants["pipe-evalsha-16-lean"] = (lambda: pipeline_batches(plain_client(url, None), 16, False), 16, False)
     variants["pipe-script-16"] = (lambda: pipeline_batches(make_redis_client(url, TIMEOUT_S), 16, True), 16, False)
+    if opts.only:
+        variants = {k: v for k, v in variants.items() if k.startswith(tuple(opts.only.split(",")))}
     best: dict[tuple[str, int], float] = {}
     try:
         for _ in range(opts.rounds):

@@ -25,11 +25,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.connection import HiredisRespSerializer
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.utils import HIREDIS_AVAILABLE
 
 from modeldock.admission.redis_window import RedisUnavailable
+
+_hiredis = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
 
 FLUSH_INTERVAL_S = 0.01
 MAX_BATCH = 64
@@ -42,6 +47,7 @@ def make_batch_client(url: str, timeout_s: float) -> Redis:
     pool = ConnectionPool.from_url(
         url,
         max_connections=4,
+        socket_timeout=None,  # redis-py's default is 5 s
         socket_connect_timeout=timeout_s,
         # One immediate retry reconnects a pooled connection that died with a restarted server. The
         # budget scripts are idempotent (a reservation id counts once, a settlement is absolute).
@@ -93,6 +99,7 @@ class RedisBatch:
     ) -> None:
         self._client_factory = client_factory
         self._client: Redis | None = None
+        self._conn: AbstractConnection | None = None
         self.timeout_s = timeout_s
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
@@ -227,24 +234,23 @@ class RedisBatch:
                 item.future.set_result(None if item.on_error is not None else reply)
 
     async def _pipeline(self, batch: list[_Item]) -> list[Any]:
-        client = self._client
-        if client is None:
-            # Built lazily so the client binds to the running event loop.
-            client = self._client = self._client_factory()
+        conn = self._conn
+        if conn is None:
+            if self._client is None:
+                # Built lazily so the client binds to the running event loop.
+                self._client = self._client_factory()
+            # Held while the batcher is open: one pipeline is in flight at a time, and the pool's
+            # checkout and release cost as much as the commands. redis-py reconnects it by itself.
+            conn = self._conn = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
         self.pipelines += 1
-        pipe = client.pipeline(transaction=False)
-        for item in batch:
-            pipe.evalsha(item.script.sha, *item.args)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        replies = await _exchange(conn, [("EVALSHA", item.script.sha, *item.args) for item in batch])
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # NOSCRIPT: the script did not run (a new or restarted server). Load it, send those again.
-            for script in {batch[i].script.sha: batch[i].script for i in missing}.values():
-                await client.script_load(script.text)
-            pipe = client.pipeline(transaction=False)
-            for i in missing:
-                pipe.evalsha(batch[i].script.sha, *batch[i].args)
-            for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
+            scripts = {batch[i].script.sha: batch[i].script.text for i in missing}
+            await _exchange(conn, [("SCRIPT", "LOAD", text) for text in scripts.values()])
+            again = await _exchange(conn, [("EVALSHA", batch[i].script.sha, *batch[i].args) for i in missing])
+            for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
 
@@ -259,6 +265,40 @@ class RedisBatch:
                 item.future.set_exception(RedisUnavailable(why))
 
     async def _close_client(self) -> None:
-        client, self._client = self._client, None
+        client, conn, self._client, self._conn = self._client, self._conn, None, None
         if client is not None:
+            if conn is not None:
+                await client.connection_pool.release(conn)
             await client.aclose()
+
+
+def _pack(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> bytes | list[bytes]:
+    if _hiredis is None:
+        return conn.pack_commands(commands)
+    # redis-py's asyncio connection packs in Python even when hiredis is there (~15 µs a script
+    # call); its sync connection's hiredis packer does it in C.
+    return b"".join(chunk for command in commands for chunk in _hiredis.pack(*command))
+
+
+async def _exchange(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Send `commands` in one write and read one reply each; an error reply is returned in its place.
+    With the connection's retry policy: a connection found dead (a restarted server) is reconnected
+    and the whole batch sent again, so the scripts sent this way must be idempotent."""
+
+    packed = _pack(conn, commands)
+
+    async def once() -> list[Any]:
+        await conn.send_packed_command(packed)
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await conn.read_response())
+            except ResponseError as exc:  # read whole: the connection stays in step
+                replies.append(exc)
+        return replies
+
+    async def reconnect(_error: Exception) -> None:
+        await conn.disconnect()
+
+    result: list[Any] = await conn.retry.call_with_retry(once, reconnect)
+    return result
