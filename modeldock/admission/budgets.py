@@ -26,7 +26,7 @@ from modeldock.admission.budget_redis import RedisTokenWindow, budget_key
 from modeldock.admission.budget_window import BudgetLimit, TokenWindow
 from modeldock.admission.headers import format_duration
 from modeldock.admission.limits import LogThrottle
-from modeldock.admission.redis_batch import make_batch_client
+from modeldock.admission.redis_batch import CallLater, make_batch_client
 from modeldock.admission.redis_window import RedisUnavailable
 from modeldock.admission.tokens import Usage
 from modeldock.admission.window import Decision, binding
@@ -157,6 +157,7 @@ class TokenBudgets:
         minute_seconds: float = MINUTE_SECONDS,
         day_seconds: float = DAY_SECONDS,
         redis_now_us: Callable[[], int] | None = None,
+        redis_call_later: CallLater | None = None,
         warn_interval_s: float = 10.0,
     ) -> None:
         self._clock = clock
@@ -164,6 +165,7 @@ class TokenBudgets:
         self._minute = minute_seconds
         self._day = day_seconds
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
+        self._redis_call_later = redis_call_later  # tests only: fires the settlement flush timer
         self._local = TokenWindow(clock)
         self._limits = config.limits
         self._redis = self._make_redis(config.limits)
@@ -343,7 +345,10 @@ class TokenBudgets:
             return None
         url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
         return RedisTokenWindow(
-            lambda: self._redis_client_factory(url, timeout_s), timeout_s=timeout_s, now_us=self._redis_now_us
+            lambda: self._redis_client_factory(url, timeout_s),
+            timeout_s=timeout_s,
+            now_us=self._redis_now_us,
+            call_later=self._redis_call_later,
         )
 
 

@@ -100,14 +100,18 @@ class RedisBatch:
         self._client_factory = client_factory
         self._client: Redis | None = None
         self._conn: AbstractConnection | None = None
+        self._loaded: set[str] = set()  # scripts loaded through the held connection since it connected
         self.timeout_s = timeout_s
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self._call_later = call_later
         self._calls: list[_Item] = []
         self._deferred: list[_Item] = []
+        self._busy = False  # a pipeline is in flight (sent by a caller, or by the sender task)
         self._sender: asyncio.Task[None] | None = None
+        self._idle: asyncio.Future[None] | None = None  # for flush(): done when nothing is in flight
         self._timer: Handle | None = None
+        self._closing: asyncio.Task[None] | None = None
         self._flush_due = False
         self._closed = False
         self.pipelines = 0  # pipelines sent (for tests and benchmarks)
@@ -115,15 +119,27 @@ class RedisBatch:
     async def call(self, script: Script, keys: Sequence[str], args: Sequence[int | str]) -> Any:
         """Run `script` and return its reply; RedisUnavailable if it fails or takes over `timeout_s`."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._calls.append(_Item(script, [len(keys), *keys, *args], future, None))
-        if self._sender is None:
-            self._start(loop)
+        item = _Item(script, [len(keys), *keys, *args], loop.create_future(), None)
+        if self._busy:
+            self._calls.append(item)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    return await item.future
+            except TimeoutError:
+                raise RedisUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms") from None
+        # Nothing in flight: send it now from this task (no task to start, no wait), and queued
+        # deferred items with it.
+        self._busy = True
+        batch = [*self._take_deferred(), item]
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await future
-        except TimeoutError:
-            raise RedisUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms") from None
+            await self._send(batch)
+        except asyncio.CancelledError:
+            # The connection was dropped mid-call: the deferred items go again (they are idempotent).
+            self._deferred[:0] = [it for it in batch if it.on_error is not None and not it.future.done()]
+            raise
+        finally:
+            self._went_idle(loop)
+        return item.future.result()
 
     def defer(
         self, script: Script, keys: Sequence[str], args: Sequence[int | str], on_error: OnError
@@ -133,26 +149,24 @@ class RedisBatch:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._deferred.append(_Item(script, [len(keys), *keys, *args], future, on_error))
-        if self._sender is not None:
-            if len(self._deferred) >= self.max_batch:
-                self._flush_due = True  # taken by the sender's next pipeline
-        elif self._closed or len(self._deferred) >= self.max_batch:
+        if self._closed or len(self._deferred) >= self.max_batch:
             self._flush_due = True
-            self._start(loop)
-        elif self._timer is None:
-            later = self._call_later or loop.call_later
-            self._timer = later(self.flush_interval_s, self._flush_timer)
+            if not self._busy:
+                self._start(loop)
+        elif self._timer is None and not self._busy:
+            self._arm(loop)
         return future
 
     async def flush(self) -> None:
         """Send everything queued now and wait until it has been answered (or has failed)."""
-        while self._calls or self._deferred or self._sender is not None:
+        loop = asyncio.get_running_loop()
+        while self._calls or self._deferred or self._busy:
             self._flush_due = True
-            if self._sender is None:
-                self._start(asyncio.get_running_loop())
-            sender = self._sender
-            if sender is not None:
-                await asyncio.shield(sender)
+            if not self._busy:
+                self._start(loop)
+            if self._idle is None:
+                self._idle = loop.create_future()
+            await asyncio.shield(self._idle)
 
     async def close(self) -> None:
         """Flush what is queued, bounded by `timeout_s`, then close the client. What could not be sent
@@ -165,68 +179,88 @@ class RedisBatch:
             async with asyncio.timeout(self.timeout_s):
                 await self.flush()
         except TimeoutError:
+            queued, self._deferred, self._calls = [*self._deferred, *self._calls], [], []
+            self._fail(queued, "closed before it was sent")
             if self._sender is not None:
                 self._sender.cancel()
                 await asyncio.gather(self._sender, return_exceptions=True)
-        self._fail(self._take_all(), "closed before it was sent")
         await self._close_client()
+        if self._closing is not None:
+            await self._closing
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._busy = True
         self._sender = loop.create_task(self._send_while_queued())
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        later = self._call_later or loop.call_later
+        self._timer = later(self.flush_interval_s, self._flush_timer)
 
     def _flush_timer(self) -> None:
         self._timer = None
         if not self._deferred:
             return  # they went with a call's pipeline
         self._flush_due = True
-        if self._sender is None:
+        if not self._busy:
             self._start(asyncio.get_running_loop())
+
+    def _went_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a pipeline: the calls that queued meanwhile (and due deferred items) go next."""
+        self._busy = False
+        if self._calls or (self._deferred and (self._flush_due or self._closed)):
+            self._start(loop)
+            return
+        if self._deferred and self._timer is None and not self._closed:
+            self._arm(loop)
+        if self._idle is not None:
+            self._idle.set_result(None)
+            self._idle = None
+        if self._closed and self._client is not None:
+            # Closed, then used again (a settlement for a retired window): do not keep the client.
+            self._closing = loop.create_task(self._close_client())
 
     async def _send_while_queued(self) -> None:
         batch: list[_Item] = []
         try:
-            while True:
-                batch = self._take()
-                if not batch:
-                    break
+            while batch := self._take():
                 await self._send(batch)
-                batch = []
+            batch = []
         except BaseException:
             # Cancelled (close ran out of time): nothing in flight may be left waiting.
             self._fail(batch, "cancelled")
             raise
         finally:
             self._sender = None
-            if self._closed:
-                await self._close_client()
-            elif self._deferred and self._timer is None:
-                later = self._call_later or asyncio.get_running_loop().call_later
-                self._timer = later(self.flush_interval_s, self._flush_timer)
+            self._went_idle(asyncio.get_running_loop())
 
     def _take(self) -> list[_Item]:
         """The next pipeline: queued deferred items (when due, or riding with calls), then the calls."""
         calls = [item for item in self._calls if not item.future.done()]  # skip timed out, cancelled
         self._calls = []
-        if not (calls or self._flush_due or len(self._deferred) >= self.max_batch):
+        if not (calls or self._flush_due or self._closed or len(self._deferred) >= self.max_batch):
             return []
+        return self._take_deferred() + calls
+
+    def _take_deferred(self) -> list[_Item]:
         deferred, self._deferred = self._deferred[: self.max_batch], self._deferred[self.max_batch :]
         self._flush_due = len(self._deferred) >= self.max_batch
-        return deferred + calls
-
-    def _take_all(self) -> list[_Item]:
-        items, self._calls, self._deferred = self._deferred + self._calls, [], []
-        return items
+        return deferred
 
     async def _send(self, batch: list[_Item]) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 replies = await self._pipeline(batch)
         except TimeoutError:
+            self._loaded.clear()  # redis-py dropped the connection
             self._fail(batch, f"no answer within {self.timeout_s * 1000:.0f} ms")
             return
         except (RedisError, OSError) as exc:
+            self._loaded.clear()
             self._fail(batch, f"{type(exc).__name__}: {exc}")
             return
+        except asyncio.CancelledError:
+            self._loaded.clear()
+            raise
         for item, reply in zip(batch, replies, strict=True):
             if isinstance(reply, Exception):
                 self._fail([item], f"{type(reply).__name__}: {reply}")
@@ -243,13 +277,28 @@ class RedisBatch:
             # checkout and release cost as much as the commands. redis-py reconnects it by itself.
             conn = self._conn = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
         self.pipelines += 1
-        replies = await _exchange(conn, [("EVALSHA", item.script.sha, *item.args) for item in batch])
+
+        async def once(items: list[_Item]) -> list[Any]:
+            # Scripts not yet loaded through this connection go first, in the same write, so a new
+            # or restarted server runs every item, in queue order, without a NOSCRIPT round trip.
+            loads = {item.script.sha: item.script.text for item in items if item.script.sha not in self._loaded}
+            evals = [("EVALSHA", item.script.sha, *item.args) for item in items]
+            replies = await _exchange(conn, [*(("SCRIPT", "LOAD", text) for text in loads.values()), *evals])
+            self._loaded.update(loads)
+            return replies[len(loads) :]
+
+        async def reconnect(_error: Exception) -> None:
+            self._loaded.clear()
+            await conn.disconnect()
+
+        # redis-py's retry policy: a connection found dead (a restarted server) is reconnected and
+        # the batch sent again, so the scripts sent through a batcher must be idempotent.
+        replies: list[Any] = await conn.retry.call_with_retry(lambda: once(batch), reconnect)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            # NOSCRIPT: the script did not run (a new or restarted server). Load it, send those again.
-            scripts = {batch[i].script.sha: batch[i].script.text for i in missing}
-            await _exchange(conn, [("SCRIPT", "LOAD", text) for text in scripts.values()])
-            again = await _exchange(conn, [("EVALSHA", batch[i].script.sha, *batch[i].args) for i in missing])
+            # Flushed (SCRIPT FLUSH) on a live connection: those did not run; load and send them again.
+            self._loaded.clear()
+            again = await once([batch[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
@@ -266,6 +315,7 @@ class RedisBatch:
 
     async def _close_client(self) -> None:
         client, conn, self._client, self._conn = self._client, self._conn, None, None
+        self._loaded = set()
         if client is not None:
             if conn is not None:
                 await client.connection_pool.release(conn)
@@ -281,24 +331,12 @@ def _pack(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> bytes | 
 
 
 async def _exchange(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Send `commands` in one write and read one reply each; an error reply is returned in its place.
-    With the connection's retry policy: a connection found dead (a restarted server) is reconnected
-    and the whole batch sent again, so the scripts sent this way must be idempotent."""
-
-    packed = _pack(conn, commands)
-
-    async def once() -> list[Any]:
-        await conn.send_packed_command(packed)
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(await conn.read_response())
-            except ResponseError as exc:  # read whole: the connection stays in step
-                replies.append(exc)
-        return replies
-
-    async def reconnect(_error: Exception) -> None:
-        await conn.disconnect()
-
-    result: list[Any] = await conn.retry.call_with_retry(once, reconnect)
-    return result
+    """Send `commands` in one write and read one reply each; an error reply is returned in its place."""
+    await conn.send_packed_command(_pack(conn, commands))
+    replies: list[Any] = []
+    for _ in commands:
+        try:
+            replies.append(await conn.read_response())
+        except ResponseError as exc:  # read whole: the connection stays in step
+            replies.append(exc)
+    return replies

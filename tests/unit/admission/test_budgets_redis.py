@@ -166,8 +166,9 @@ async def test_a_hung_redis_is_bounded_and_a_failed_settle_keeps_the_charge(redi
         with pytest.raises(Unavailable):
             await budgets.reserve(t, "m", 1, "b")
         redis_server.resume()
-        # The shared window still holds the reservation: the request is charged its estimate.
-        assert await redis_total(redis_server) == 400
+        # Redis reads the timed-out settlement when it wakes, and may still apply it; one it never
+        # takes leaves the reservation (test_budgets_redis_batch: the reservations stand).
+        assert await redis_total(redis_server) in (400, 10)
     finally:
         redis_server.resume()
         await budgets.close()
