@@ -13,6 +13,7 @@ round by round; the best round counts (noise only adds).
   batcher           modeldock.admission.redis_batch.RedisBatch: reserve awaited, settle deferred
   budgets-local     TokenBudgets.reserve + finish_nowait per request, local windows only (per request)
   budgets-redis     the same with the windows in Redis: what the Redis budget adds per request
+  ping-floor        one bare PING round trip per pair on a held connection (the floor of any shape)
   *-lean            a plain ConnectionPool without socket_timeout (the call is bounded by asyncio.timeout)
 
 Run with hiredis on the path (`PYTHONPATH=/path/to/hiredis`) to see what its parser changes; the
@@ -114,6 +115,24 @@ async def batcher_pairs(factory: Callable[[], Redis]) -> tuple[Pair, Callable[[]
     return pair, batch.close
 
 
+async def ping_floor(url: str) -> tuple[Pair, Callable[[], Awaitable[None]]]:
+    """One bare PING per pair on a held connection: the round trip no call shape can go below."""
+    client = plain_client(url, None)
+    conn = await client.connection_pool.get_connection()
+    ping = conn.pack_command("PING")
+
+    async def pair() -> None:
+        async with asyncio.timeout(TIMEOUT_S):
+            await conn.send_packed_command(ping)
+            await conn.read_response()
+
+    async def close() -> None:
+        await client.connection_pool.release(conn)
+        await client.aclose()
+
+    return pair, close
+
+
 async def budget_requests(redis_url: str | None) -> tuple[Pair, Callable[[], Awaitable[None]]]:
     """TokenBudgets as the gateway uses it: reserve on the request path, then settle without waiting."""
     tenant = TenantConfig(id="t", api_key_hashes=[hash_key("k")], models=["*"],
@@ -160,6 +179,7 @@ async def main() -> None:
     variants: dict[str, tuple[Callable[[], Awaitable[tuple[Pair, Callable[[], Awaitable[None]]]]], int, bool]] = {
         "budgets-local": (lambda: budget_requests(None), 1, True),
         "budgets-redis": (lambda: budget_requests(url), 1, True),
+        "ping-floor": (lambda: ping_floor(url), 1, False),
         "script-blocking": (lambda: script_pairs(make_redis_client(url, TIMEOUT_S)), 1, True),
         "script-plain": (lambda: script_pairs(plain_client(url)), 1, True),
         "script-lean": (lambda: script_pairs(plain_client(url, None)), 1, True),

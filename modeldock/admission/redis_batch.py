@@ -1,20 +1,22 @@
-"""Lua script calls to one Redis, sent together in non-transactional pipelines.
+"""Lua script calls to one Redis, several to a round trip (one write, one reply each).
 
-Each redis-py round trip costs ~100-200 µs of this process's CPU whatever it carries, so calls
-that can share one do:
+Each round trip costs this process ~100-200 µs of CPU (redis-py, the socket, the event loop
+wake-up) whatever it carries, so calls that can share one do:
 
-- `call` (the request path, e.g. a token reserve) is awaited. It is sent at once when no pipeline
-  is in flight, so concurrency 1 waits for nothing; while one is in flight, later calls queue and
-  all go in the next pipeline when it returns (at most about one round trip of waiting).
-- `defer` (off the request path: settlements, refunds) rides with the next pipeline, or is sent
-  `flush_interval_s` after it was queued, or at once when `max_batch` are queued.
+- `call` (the request path, e.g. a token reserve) is awaited. With nothing in flight it is sent at
+  once, by the caller's own task, so concurrency 1 waits for nothing; while a write is in flight,
+  later calls queue and all go in the next one when it returns (at most about one round trip of
+  waiting).
+- `defer` (off the request path: settlements, refunds) rides ahead of the next call in its write,
+  or is sent `flush_interval_s` after it was queued, or at once when `max_batch` are queued.
 
 Every item is its own EVALSHA (no MULTI): its own atomic script run and its own reply or error.
-One pipeline is in flight at a time, so items reach Redis in the order they were queued (the
-queued deferred ones first). A call is bounded by `timeout_s` from when it was made, its wait in
-the queue included; every failure (refused, reset, timeout, error reply) is `RedisUnavailable`.
-A call that times out or is cancelled after its pipeline was sent may still have run: undoing
-it is the caller's job (e.g. a refund through `defer`).
+One write is in flight at a time, so items reach Redis in the order they were queued (queued
+deferred items first). A call is bounded by `timeout_s` from when it was made, its wait in the
+queue included; every failure (refused, reset, timeout, error reply) is `RedisUnavailable`. A call
+that times out or is cancelled after it was sent may still have run: undoing it is the caller's
+job (e.g. a refund through `defer`). Scripts must be idempotent: a write on a connection found
+dead is sent again once, and deferred items riding with a cancelled call are queued again.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ MAX_BATCH = 64
 
 
 def make_batch_client(url: str, timeout_s: float) -> Redis:
-    """A client for one `RedisBatch`, which has one pipeline in flight and bounds each with
-    `asyncio.timeout`: so a plain pool (a few connections) and no `socket_timeout` (with one set,
-    redis-py wraps every send in `asyncio.wait_for`, a task per pipeline). Connecting is bounded."""
+    """A client for one `RedisBatch`, which holds one connection and bounds every write and read
+    with `asyncio.timeout`: so a small plain pool and no `socket_timeout` (with one set, redis-py
+    wraps every send in `asyncio.wait_for`, a task per write). Connecting is bounded."""
     pool = ConnectionPool.from_url(
         url,
         max_connections=4,
@@ -66,7 +68,7 @@ OnError = Callable[[RedisUnavailable], None]
 
 
 class Script:
-    """A Lua script known by its SHA1, loaded into Redis on first NOSCRIPT (e.g. after a restart)."""
+    """A Lua script known by its SHA1, loaded through each new connection in its first write."""
 
     __slots__ = ("sha", "text")
 
@@ -107,14 +109,14 @@ class RedisBatch:
         self._call_later = call_later
         self._calls: list[_Item] = []
         self._deferred: list[_Item] = []
-        self._busy = False  # a pipeline is in flight (sent by a caller, or by the sender task)
+        self._busy = False  # a write is in flight (sent by a caller, or by the sender task)
         self._sender: asyncio.Task[None] | None = None
         self._idle: asyncio.Future[None] | None = None  # for flush(): done when nothing is in flight
         self._timer: Handle | None = None
         self._closing: asyncio.Task[None] | None = None
         self._flush_due = False
         self._closed = False
-        self.pipelines = 0  # pipelines sent (for tests and benchmarks)
+        self.round_trips = 0  # writes sent, i.e. round trips (for tests and benchmarks)
 
     async def call(self, script: Script, keys: Sequence[str], args: Sequence[int | str]) -> Any:
         """Run `script` and return its reply; RedisUnavailable if it fails or takes over `timeout_s`."""
@@ -199,13 +201,13 @@ class RedisBatch:
     def _flush_timer(self) -> None:
         self._timer = None
         if not self._deferred:
-            return  # they went with a call's pipeline
+            return  # they went with a call
         self._flush_due = True
         if not self._busy:
             self._start(asyncio.get_running_loop())
 
     def _went_idle(self, loop: asyncio.AbstractEventLoop) -> None:
-        """After a pipeline: the calls that queued meanwhile (and due deferred items) go next."""
+        """After a write: the calls that queued meanwhile (and due deferred items) go next."""
         self._busy = False
         if self._calls or (self._deferred and (self._flush_due or self._closed)):
             self._start(loop)
@@ -234,7 +236,7 @@ class RedisBatch:
             self._went_idle(asyncio.get_running_loop())
 
     def _take(self) -> list[_Item]:
-        """The next pipeline: queued deferred items (when due, or riding with calls), then the calls."""
+        """The next write: queued deferred items (when due, or riding with calls), then the calls."""
         calls = [item for item in self._calls if not item.future.done()]  # skip timed out, cancelled
         self._calls = []
         if not (calls or self._flush_due or self._closed or len(self._deferred) >= self.max_batch):
@@ -249,7 +251,7 @@ class RedisBatch:
     async def _send(self, batch: list[_Item]) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                replies = await self._pipeline(batch)
+                replies = await self._round_trip(batch)
         except TimeoutError:
             self._loaded.clear()  # redis-py dropped the connection
             self._fail(batch, f"no answer within {self.timeout_s * 1000:.0f} ms")
@@ -267,16 +269,16 @@ class RedisBatch:
             elif not item.future.done():
                 item.future.set_result(None if item.on_error is not None else reply)
 
-    async def _pipeline(self, batch: list[_Item]) -> list[Any]:
+    async def _round_trip(self, batch: list[_Item]) -> list[Any]:
         conn = self._conn
         if conn is None:
             if self._client is None:
                 # Built lazily so the client binds to the running event loop.
                 self._client = self._client_factory()
-            # Held while the batcher is open: one pipeline is in flight at a time, and the pool's
+            # Held while the batcher is open: one write is in flight at a time, and the pool's
             # checkout and release cost as much as the commands. redis-py reconnects it by itself.
             conn = self._conn = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-        self.pipelines += 1
+        self.round_trips += 1
 
         async def once(items: list[_Item]) -> list[Any]:
             # Scripts not yet loaded through this connection go first, in the same write, so a new

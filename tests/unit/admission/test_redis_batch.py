@@ -43,21 +43,21 @@ async def logged(client: redis.asyncio.Redis) -> list[str]:
     return list(await client.lrange(LOG, 0, -1))  # type: ignore[misc]
 
 
-async def test_a_lone_call_goes_at_once_and_concurrent_calls_share_the_next_pipeline(
+async def test_a_lone_call_goes_at_once_and_concurrent_calls_share_the_next_write(
     redis_server: RedisServer, log: redis.asyncio.Redis
 ) -> None:
     timers = ManualTimers()
     batch = batcher(redis_server, timers)
     try:
         assert await batch.call(PUSH, [LOG], ["solo"]) == 1
-        assert batch.pipelines == 1 and timers.armed == []
+        assert batch.round_trips == 1 and timers.armed == []
         first = asyncio.ensure_future(batch.call(PUSH, [LOG], ["c0"]))
         await asyncio.sleep(0)  # sent at once
         rider = batch.defer(PUSH, [LOG], ["rider"], Errors())
         replies = await asyncio.gather(first, *(batch.call(PUSH, [LOG], [f"c{i}"]) for i in range(1, 10)))
         # The nine made while the first was in flight go together when it returns, after the item
         # deferred meanwhile.
-        assert batch.pipelines == 3 and rider.done()
+        assert batch.round_trips == 3 and rider.done()
         assert replies == [2, *range(4, 13)]  # each its own reply, in the order called
         assert await logged(log) == ["solo", "c0", "rider", *(f"c{i}" for i in range(1, 10))]
     finally:
@@ -73,16 +73,16 @@ async def test_deferred_items_wait_for_the_timer_or_ride_with_the_next_call(
     try:
         done = [batch.defer(PUSH, [LOG], [f"d{i}"], errors) for i in range(3)]
         await asyncio.sleep(0)
-        assert batch.pipelines == 0 and timers.armed == [batch.flush_interval_s]  # one timer for the queue
+        assert batch.round_trips == 0 and timers.armed == [batch.flush_interval_s]  # one timer for the queue
         assert timers.fire() == 1
         await asyncio.gather(*done)
-        assert batch.pipelines == 1 and await logged(log) == ["d0", "d1", "d2"]
+        assert batch.round_trips == 1 and await logged(log) == ["d0", "d1", "d2"]
         later = [batch.defer(PUSH, [LOG], [f"e{i}"], errors) for i in range(2)]
-        assert await batch.call(PUSH, [LOG], ["call"]) == 6  # queued deferred items go first, same pipeline
-        assert all(f.done() for f in later) and batch.pipelines == 2
+        assert await batch.call(PUSH, [LOG], ["call"]) == 6  # queued deferred items go first, same write
+        assert all(f.done() for f in later) and batch.round_trips == 2
         assert timers.fire() == 1  # the timer armed for them finds nothing left and sends nothing
         await asyncio.sleep(0)
-        assert batch.pipelines == 2 and errors == []
+        assert batch.round_trips == 2 and errors == []
         assert await logged(log) == ["d0", "d1", "d2", "e0", "e1", "call"]
     finally:
         await batch.close()
@@ -96,8 +96,8 @@ async def test_a_full_queue_is_sent_without_waiting_for_the_timer(
     errors = Errors()
     try:
         done = [batch.defer(PUSH, [LOG], [f"d{i}"], errors) for i in range(9)]
-        await asyncio.gather(*done[:8])  # two full pipelines went without the timer
-        assert batch.pipelines == 2 and len(await logged(log)) == 8
+        await asyncio.gather(*done[:8])  # two full writes went without the timer
+        assert batch.round_trips == 2 and len(await logged(log)) == 8
         assert not done[8].done()
         timers.fire()
         await done[8]
