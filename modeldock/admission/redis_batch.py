@@ -30,13 +30,13 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.connection import HiredisRespSerializer
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.utils import HIREDIS_AVAILABLE
 
 from modeldock.admission.redis_window import RedisUnavailable
 
-_hiredis = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
+if HIREDIS_AVAILABLE:  # redis[hiredis]: redis-py parses the replies in C; _pack packs in C
+    from hiredis import pack_command
 
 FLUSH_INTERVAL_S = 0.01
 MAX_BATCH = 64
@@ -325,11 +325,11 @@ class RedisBatch:
 
 
 def _pack(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> bytes | list[bytes]:
-    if _hiredis is None:
+    if not HIREDIS_AVAILABLE:
         return conn.pack_commands(commands)
-    # redis-py's asyncio connection packs in Python even when hiredis is there (~15 µs a script
-    # call); its sync connection's hiredis packer does it in C.
-    return b"".join(chunk for command in commands for chunk in _hiredis.pack(*command))
+    # redis-py's asyncio connection packs in Python even when hiredis is there (~10 µs a script
+    # call, 2.5 µs in hiredis). Every argument here is a str or an int.
+    return b"".join([pack_command(command) for command in commands])
 
 
 async def _exchange(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
