@@ -8,18 +8,20 @@ check that the cost fits all of them, then add to all or none. Settling is a
 second script that sets the amount (absolute, so a resent call cannot count
 twice) in every window that still holds the reservation.
 
-Failures raise `RedisUnavailable` (from redis_window), bounded by `timeout_s`.
+Failures raise `RedisUnavailable` (from redis_window), bounded by `timeout_s`. Calls go through
+one `RedisBatch` per window (one client): see redis_batch.py and README.md ("Token budgets").
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from redis.asyncio import Redis
 
 from modeldock.admission.budget_window import BudgetLimit
-from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply, run_script
+from modeldock.admission.redis_batch import FLUSH_INTERVAL_S, CallLater, OnError, RedisBatch, Script
+from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply
 from modeldock.admission.window import Decision
 
 KEY_PREFIX = "modeldock:tb:"
@@ -128,20 +130,28 @@ def budget_key(tenant_id: str, name: str, prefix: str = KEY_PREFIX) -> str:
 
 
 class RedisTokenWindow:
+    """The shared window, its calls batched per Redis client (`redis_batch.RedisBatch`): reserves are
+    awaited (coalesced when concurrent), settlements are queued and flushed every few ms."""
+
     def __init__(
         self,
         client_factory: Callable[[], Redis],
         *,
         timeout_s: float,
         now_us: Callable[[], int] | None = None,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+        call_later: CallLater | None = None,
     ) -> None:
         """`now_us` replaces the Redis server's clock (tests only); None uses `TIME` on the server."""
-        self._client_factory = client_factory
-        self._client: Redis | None = None
-        self._reserve: Any = None
-        self._settle: Any = None
+        self._batch = RedisBatch(
+            client_factory, timeout_s=timeout_s, flush_interval_s=flush_interval_s, call_later=call_later
+        )
         self.timeout_s = timeout_s
         self._now_us = now_us
+
+    @property
+    def batch(self) -> RedisBatch:
+        return self._batch
 
     async def try_reserve_all(self, entry_id: str, cost: int, limits: Sequence[BudgetLimit]) -> list[Decision]:
         if not limits:
@@ -149,35 +159,41 @@ class RedisTokenWindow:
         args: list[int | str] = [entry_id, cost, self._now_arg()]
         for _, limit, window in limits:
             args.extend((_us(window), limit))
-        reply = await self._call("reserve", _keys(key for key, _, _ in limits), args)
+        reply = await self._batch.call(_RESERVE, _keys(key for key, _, _ in limits), args)
         return decisions_from_reply(reply, [limit for _, limit, _ in limits])
 
     async def settle(self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int) -> int:
+        """Settle now and return the number of windows changed."""
         if not keys:
             return 0
-        args: list[int | str] = [entry_id, amount, self._now_arg(), *(_us(window) for _, window in keys)]
-        reply = await self._call("settle", _keys(key for key, _ in keys), args)
+        reply = await self._batch.call(_SETTLE, *self._settle_call(entry_id, keys, amount))
         try:
             return int(reply)
         except (TypeError, ValueError) as exc:
             raise RedisUnavailable(f"unexpected script reply: {exc}") from None
 
-    async def close(self) -> None:
-        client, self._client, self._reserve, self._settle = self._client, None, None, None
-        if client is not None:
-            await client.aclose()
+    def settle_later(
+        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int, on_error: OnError
+    ) -> asyncio.Future[None]:
+        """Queue the settlement for the next flush; the future is done once Redis took it or it failed."""
+        return self._batch.defer(_SETTLE, *self._settle_call(entry_id, keys, amount), on_error)
 
-    async def _call(self, which: str, keys: list[str], args: list[int | str]) -> Any:
-        if self._client is None:
-            # Built lazily so the client binds to the running event loop.
-            self._client = self._client_factory()
-            self._reserve = self._client.register_script(RESERVE_LUA)
-            self._settle = self._client.register_script(SETTLE_LUA)
-        script = self._reserve if which == "reserve" else self._settle
-        return await run_script(script, keys, args, self.timeout_s)
+    async def close(self) -> None:
+        """Flush queued settlements (bounded by `timeout_s`) and close the client."""
+        await self._batch.close()
+
+    def _settle_call(
+        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int
+    ) -> tuple[list[str], list[int | str]]:
+        args: list[int | str] = [entry_id, amount, self._now_arg(), *(_us(window) for _, window in keys)]
+        return _keys(key for key, _ in keys), args
 
     def _now_arg(self) -> int | str:
         return self._now_us() if self._now_us is not None else ""
+
+
+_RESERVE = Script(RESERVE_LUA)
+_SETTLE = Script(SETTLE_LUA)
 
 
 def _keys(zset_keys: Iterable[str]) -> list[str]:

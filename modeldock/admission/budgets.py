@@ -26,7 +26,8 @@ from modeldock.admission.budget_redis import RedisTokenWindow, budget_key
 from modeldock.admission.budget_window import BudgetLimit, TokenWindow
 from modeldock.admission.headers import format_duration
 from modeldock.admission.limits import LogThrottle
-from modeldock.admission.redis_window import RedisUnavailable, make_redis_client
+from modeldock.admission.redis_batch import CallLater, make_batch_client
+from modeldock.admission.redis_window import RedisUnavailable
 from modeldock.admission.tokens import Usage
 from modeldock.admission.window import Decision, binding
 from modeldock.clock import Clock
@@ -106,10 +107,11 @@ class Reservation:
         """
         await self._wait(self.finish_nowait(reached_backend=reached_backend, usage=usage))
 
-    def finish_nowait(self, *, reached_backend: bool, usage: Usage | None) -> asyncio.Task[None] | None:
-        """`finish` without waiting: the local windows change now, a shared (Redis) settlement runs in
-        the returned task (tracked by TokenBudgets, so `close` waits for it). For callers off the
-        request path (settlement from Envoy's access log) and for refunds in an error path."""
+    def finish_nowait(self, *, reached_backend: bool, usage: Usage | None) -> asyncio.Future[None] | None:
+        """`finish` without waiting: the local windows change now, a shared (Redis) settlement is queued
+        for the window's next flush (the returned future is done once Redis took it or it failed;
+        `close` flushes). For callers off the request path (settlement from Envoy's access log) and
+        for refunds in an error path."""
         if not reached_backend:
             return self._close_nowait("refunded", 0)
         if usage is None:
@@ -128,7 +130,7 @@ class Reservation:
     async def charge_reserved(self) -> None:
         await self._wait(self._close_nowait("charged", self.cost))
 
-    def _close_nowait(self, state: State, amount: int) -> asyncio.Task[None] | None:
+    def _close_nowait(self, state: State, amount: int) -> asyncio.Future[None] | None:
         if self.state != "held":
             return None
         # Decided before any await, so concurrent callers cannot both settle.
@@ -139,10 +141,10 @@ class Reservation:
         return self._budgets._settle(self, amount)
 
     @staticmethod
-    async def _wait(task: asyncio.Task[None] | None) -> None:
-        if task is not None:
+    async def _wait(done: asyncio.Future[None] | None) -> None:
+        if done is not None:
             # Shielded: a caller cancelled mid-call (its stream ended) does not cut the settlement.
-            await asyncio.shield(task)
+            await asyncio.shield(done)
 
 
 class TokenBudgets:
@@ -150,11 +152,12 @@ class TokenBudgets:
         self,
         config: Config,
         clock: Clock,
-        redis_client_factory: RedisClientFactory = make_redis_client,
+        redis_client_factory: RedisClientFactory = make_batch_client,
         *,
         minute_seconds: float = MINUTE_SECONDS,
         day_seconds: float = DAY_SECONDS,
         redis_now_us: Callable[[], int] | None = None,
+        redis_call_later: CallLater | None = None,
         warn_interval_s: float = 10.0,
     ) -> None:
         self._clock = clock
@@ -162,6 +165,7 @@ class TokenBudgets:
         self._minute = minute_seconds
         self._day = day_seconds
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
+        self._redis_call_later = redis_call_later  # tests only: fires the settlement flush timer
         self._local = TokenWindow(clock)
         self._limits = config.limits
         self._redis = self._make_redis(config.limits)
@@ -257,41 +261,40 @@ class TokenBudgets:
                 self._retired.append(retired)
                 self._spawn(self._close_later(retired))
 
+    async def flush(self) -> None:
+        """Send the queued Redis settlements now and wait for them (shutdown, tests)."""
+        for window in [*self._retired, *([self._redis] if self._redis else [])]:
+            await window.batch.flush()
+
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=1.0)
+        """Flush queued settlements to every Redis that holds them (each bounded by its timeout), then
+        close the clients."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         windows = [*self._retired, *([self._redis] if self._redis else [])]
         self._retired.clear()
         self._redis = None
-        for window in windows:
-            await window.close()
+        await asyncio.gather(*(window.close() for window in windows))
 
-    def _settle(self, reservation: Reservation, amount: int) -> asyncio.Task[None] | None:
+    def _settle(self, reservation: Reservation, amount: int) -> asyncio.Future[None] | None:
         self._held.pop(reservation.request_id, None)
         self._local.settle(reservation._entry_id, reservation._keys, amount)
         redis = reservation._redis
         if redis is None:
             return None
-        # Its own task, so a caller cancelled mid-call (e.g. its stream ended) does not cut the settlement.
-        return self._spawn(self._settle_shared(redis, reservation._entry_id, reservation._keys, amount))
+        # Queued in the window that holds it; a caller cancelled mid-call does not cut it.
+        return redis.settle_later(reservation._entry_id, reservation._keys, amount, self._settle_failed)
 
     def held_count(self) -> int:
         """Reservations not yet settled (for tests and shutdown checks)."""
         return len(self._held)
 
-    async def _settle_shared(
-        self, redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]], amount: int
-    ) -> None:
-        try:
-            await redis.settle(entry_id, keys, amount)
-        except RedisUnavailable as exc:
-            # The shared windows keep the reservation's amount: the request is charged its estimate.
-            self.settle_errors += 1
-            if self._warn.ready():
-                log.warning("Redis token settlement failed (%s); the reservation stands as charged", exc)
+    def _settle_failed(self, exc: RedisUnavailable) -> None:
+        # The shared windows keep the reservation's amount: the request is charged its estimate.
+        self.settle_errors += 1
+        if self._warn.ready():
+            log.warning("Redis token settlement failed (%s); the reservation stands as charged", exc)
 
     def _budgets(self, tenant: TenantConfig, model: str) -> tuple[list[BudgetLimit], list[str]]:
         limits: list[BudgetLimit] = []
@@ -317,16 +320,10 @@ class TokenBudgets:
             headers=token_rejection_headers(decision),
         )
 
-    def _refund_later(self, redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]]) -> None:
+    @staticmethod
+    def _refund_later(redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]]) -> None:
         """Best effort: a reserve that timed out or was cancelled may still have been counted."""
-
-        async def refund() -> None:
-            try:
-                await redis.settle(entry_id, keys, 0)
-            except RedisUnavailable:
-                pass
-
-        self._spawn(refund())
+        redis.settle_later(entry_id, keys, 0, _ignore)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         try:
@@ -348,5 +345,12 @@ class TokenBudgets:
             return None
         url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
         return RedisTokenWindow(
-            lambda: self._redis_client_factory(url, timeout_s), timeout_s=timeout_s, now_us=self._redis_now_us
+            lambda: self._redis_client_factory(url, timeout_s),
+            timeout_s=timeout_s,
+            now_us=self._redis_now_us,
+            call_later=self._redis_call_later,
         )
+
+
+def _ignore(_exc: RedisUnavailable) -> None:
+    pass

@@ -166,8 +166,9 @@ async def test_a_hung_redis_is_bounded_and_a_failed_settle_keeps_the_charge(redi
         with pytest.raises(Unavailable):
             await budgets.reserve(t, "m", 1, "b")
         redis_server.resume()
-        # The shared window still holds the reservation: the request is charged its estimate.
-        assert await redis_total(redis_server) == 400
+        # Redis reads the timed-out settlement when it wakes, and may still apply it; one it never
+        # takes leaves the reservation (test_budgets_redis_batch: the reservations stand).
+        assert await redis_total(redis_server) in (400, 10)
     finally:
         redis_server.resume()
         await budgets.close()
@@ -186,10 +187,7 @@ async def test_cancelled_reserve_is_refunded_in_redis(redis_server: RedisServer)
             await task
         assert budgets._local.used(MINUTE, 60.0) == 0 and budgets.held("a") is None
         redis_server.resume()
-        for _ in range(100):  # the background refund runs once Redis answers
-            if not budgets._tasks:
-                break
-            await asyncio.sleep(0.02)
+        await budgets.flush()  # the queued refund goes once Redis answers
         assert await redis_total(redis_server) == 0
     finally:
         redis_server.resume()
@@ -227,10 +225,7 @@ async def test_a_settle_whose_caller_is_cancelled_still_lands(redis_server: Redi
         with pytest.raises(asyncio.CancelledError):
             await caller
         redis_server.resume()
-        for _ in range(100):
-            if not budgets._tasks:
-                break
-            await asyncio.sleep(0.02)
+        await budgets.flush()
         assert await redis_total(redis_server) == 50 and r.charged == 50
     finally:
         redis_server.resume()
