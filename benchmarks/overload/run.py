@@ -12,7 +12,7 @@ then every config gets the same seeded open-loop scenarios, at rates set from th
 
 Writes the `overload` section of docs/benchmarks.md (not with --quick or --no-write).
 
-    .venv/bin/python benchmarks/overload/run.py            # ~8.5 minutes on 2 cores
+    .venv/bin/python benchmarks/overload/run.py            # ~11 minutes on 2 cores
     .venv/bin/python benchmarks/overload/run.py --quick    # ~2.5 minute smoke run, writes nothing
 """
 
@@ -267,8 +267,10 @@ def main() -> int:
     p.add_argument("--flood", type=float, default=1.5, help="scenario 3: batch rate / capacity")
     p.add_argument("--below", type=float, default=0.6, help="scenario 4: offered / capacity")
     p.add_argument("--overload-s", type=float, default=30.0)
-    p.add_argument("--noisy-s", type=float, default=15.0)
-    p.add_argument("--priority-s", type=float, default=15.0)
+    p.add_argument("--noisy-s", type=float, default=30.0,
+                   help="noisy-neighbour phase (B alone, then with A); ~110 of B's requests at ~4/s")
+    p.add_argument("--priority-s", type=float, default=30.0,
+                   help="priority phase (interactive alone, then with the batch flood); ~140 interactive requests")
     p.add_argument("--below-s", type=float, default=20.0)
     p.add_argument("--idle-s", type=float, default=5.0, help="scenario 4: idle seconds for ext_proc's base CPU")
     p.add_argument("--settle", type=float, default=1.0, help="idle seconds before each phase")
