@@ -16,8 +16,8 @@ round by round; the best round counts (noise only adds).
   ping-floor        one bare PING round trip per pair on a held connection (the floor of any shape)
   *-lean            a plain ConnectionPool without socket_timeout (the call is bounded by asyncio.timeout)
 
-Run with hiredis on the path (`PYTHONPATH=/path/to/hiredis`) to see what its parser changes; the
-header says which parser ran. Prints only; nothing is written to docs.
+The header says which parser ran (hiredis comes with `redis[hiredis]`). Writes the `redis-calls`
+section of docs/benchmarks.md (not with --no-write or --only).
 
     .venv/bin/python benchmarks/redis_calls.py [--pairs 2000] [--rounds 3]
 """
@@ -39,6 +39,7 @@ from redis.asyncio.retry import Retry  # noqa: E402
 from redis.backoff import NoBackoff  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
+from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.admission.budget_redis import RESERVE_LUA, SETTLE_LUA  # noqa: E402
 from modeldock.admission.budgets import TokenBudgets  # noqa: E402
 from modeldock.admission.redis_batch import RedisBatch, Script  # noqa: E402
@@ -172,7 +173,8 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2000, help="reserve+settle pairs per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated variant name prefixes to run")
+    parser.add_argument("--only", default="", help="comma-separated variant name prefixes to run (writes nothing)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
     opts = parser.parse_args()
     server = RedisServer().start()
     url = server.url
@@ -209,6 +211,26 @@ async def main() -> None:
     for name in variants:
         cells = [f"c={c}: {best[(name, c)]:7.1f}" for c in (1, 16) if (name, c) in best]
         print(f"  {name:18} " + "   ".join(cells))
+    if opts.no_write or opts.only:
+        return
+    base = best.get(("script-blocking", 1))
+    rows = []
+    for name in variants:
+        c1, c16 = best.get((name, 1)), best.get((name, 16))
+        rows.append([f"`{name}`", f"{c1:.1f}" if c1 is not None else "-", f"{c16:.1f}" if c16 is not None else "-",
+                     f"{c1 / base:.2f}x" if c1 is not None and base else "-"])
+    body = (
+        f"Client CPU (this process, µs) per reserve + settle of the token-budget scripts against a loopback "
+        f"redis-server, by call shape; {opts.pairs} pairs per variant and round, variants alternating, best of "
+        f"{opts.rounds} rounds. Parser: {'hiredis' if HIREDIS_AVAILABLE else 'python'}. The variants are described "
+        f"in the script's docstring; `budgets-*` rows are per request through `TokenBudgets` (reserve + settle).\n\n"
+        + table(["variant", "c=1", "c=16", "c=1 vs script-blocking"], rows)
+        + "\n\nReading: `script-blocking` is the shape before batching (one redis-py Script call per script); "
+          "`batcher` is what token budgets use now; `ping-floor` is one bare round trip, the floor of any shape "
+          "that must wait for Redis on the request path."
+    )
+    write_section("redis-calls", "Token-budget Redis calls by shape (client CPU)",
+                  ".venv/bin/python benchmarks/redis_calls.py", body)
 
 
 if __name__ == "__main__":
