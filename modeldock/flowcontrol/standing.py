@@ -56,9 +56,7 @@ class Standing:
     def seen(self, model: str, tenant: str, weight: float, priority: int) -> None:
         """A request of `tenant` (at `weight`) and class `priority` arrived for `model`."""
         now = self._clock.monotonic()
-        m = self._models.get(model)
-        if m is None:
-            m = self._models[model] = _Model()
+        m = self._model(model)
         m.classes[priority] = now
         until = now + self.window
         before = m.tenants.get(tenant)
@@ -72,9 +70,7 @@ class Standing:
     def protected(self, model: str, cost: int) -> None:
         """A protected request of `cost` tokens went to `model`: what the kept room should fit.
         O(1); the quantile is computed only when an unprotected request asks for it."""
-        m = self._models.get(model)
-        if m is None:
-            m = self._models[model] = _Model()
+        m = self._model(model)
         m.costs.append(cost)
         m.stale_kept = True
 
@@ -100,9 +96,7 @@ class Standing:
 
     def served(self, model: str, tenant: str, tokens: int) -> None:
         """A request of `tenant` costing `tokens` was dispatched to `model` (sent to an endpoint)."""
-        m = self._models.get(model)
-        if m is None:
-            m = self._models[model] = _Model()
+        m = self._model(model)
         now = self._clock.monotonic()
         m.served[tenant] = (self._decayed(m.served.get(tenant), now) + tokens, now)
         m.served_total = (self._decayed(m.served_total, now) + tokens, now)
@@ -145,6 +139,12 @@ class Standing:
             return True
         self._expire(m, now)
         return len(m.tenants) > 1 or (len(m.tenants) == 1 and tenant not in m.tenants)
+
+    def _model(self, model: str) -> _Model:
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _Model()
+        return m
 
     def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
         if entry is None:

@@ -188,22 +188,19 @@ class Scheduler:
         assert self._near_tie is not None
         limit = ranked[0][1] + self._near_tie
         loads = self._ledger.loads
-        near = 1
-        fastest = loads.get(ranked[0][3], NO_LOAD).speed if prefer_fast else 0.0
-        for i in range(1, len(ranked)):
-            over, score, _, ep = ranked[i]
+        near = []  # the near ties' loads, best first (ranked[0] is unsaturated: _rank checked)
+        for over, score, _, ep in ranked:
             if over or score > limit:
                 break
-            near += 1
-            if prefer_fast:
-                fastest = max(fastest, loads.get(ep, NO_LOAD).speed)
-        floor = fastest * SLOWER  # 0 while no speed is known (or not asked): nobody is passed over
-        best = loads.get(ranked[0][3], NO_LOAD)
+            near.append(loads.get(ep, NO_LOAD))
+        # 0 while no speed is known (or not asked): nobody is passed over.
+        floor = max(load.speed for load in near) * SLOWER if prefer_fast else 0.0
+        best = near[0]
         lead, oldest, most = 0, best.last_pick, best.in_flight
         slow = 0 < best.speed < floor
-        for i in range(1, near):
-            load = loads.get(ranked[i][3], NO_LOAD)
-            if load.in_flight > most or (load.speed < floor and load.speed > 0):
+        for i in range(1, len(near)):
+            load = near[i]
+            if load.in_flight > most or 0 < load.speed < floor:
                 continue
             if slow or load.last_pick < oldest:
                 lead, oldest, slow = i, load.last_pick, False
