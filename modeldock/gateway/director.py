@@ -279,8 +279,7 @@ class Gateway:
         fast = self._prefer_fast(model, tenant.id, priority, headroom)
         if queue is None or fast:
             try:
-                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant.id,
-                                        prefer_fast=fast, **headroom)
+                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, prefer_fast=fast, **headroom)
                 self.standing.served(model, tenant.id, cost)
                 return pick
             except Saturated:
@@ -339,7 +338,7 @@ class Gateway:
         prefix, cost, subset, tenant, weight, priority = cast(_Waiting, item.data)
         headroom = self.headroom(model, tenant, weight, priority)
         try:
-            pick = self.picker.pick(model, prefix, cost=cost, subset=subset, tenant=tenant,
+            pick = self.picker.pick(model, prefix, cost=cost, subset=subset,
                                     prefer_fast=self._prefer_fast(model, tenant, priority, headroom), **headroom)
         except Saturated:
             return None

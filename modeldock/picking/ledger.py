@@ -28,13 +28,11 @@ NO_LOAD = Load()  # read-only stand-in for endpoints never counted or sampled
 class Lease:
     """One request's claim on an endpoint of a model; released exactly once."""
 
-    __slots__ = ("_ledger", "_seq", "endpoint", "model", "released", "tenant", "tokens")
+    __slots__ = ("_ledger", "_seq", "endpoint", "model", "released", "tokens")
 
-    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int, tokens: int = 0,
-                 tenant: str = "") -> None:
+    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int, tokens: int = 0) -> None:
         self._ledger = ledger
         self.model = model
-        self.tenant = tenant  # its tokens count in the tenant's in-flight total on the model
         self.endpoint = endpoint
         self.released = False
         self.tokens = tokens  # committed on `endpoint` while the lease holds
@@ -61,7 +59,6 @@ class Lease:
         if not self.released:
             self.released = True
             self._ledger.drop(self.endpoint, self._seq)
-            self._ledger.untally(self.model, self.tenant, self.tokens)
             self._ledger.room(self.model)
 
 
@@ -80,10 +77,6 @@ class Ledger:
         self.live: frozenset[Endpoint] = frozenset()
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
         self._listeners: list[Callable[[str], None]] = []
-        # Per model: tokens in flight per tenant and in all (a lease adds at claim, takes away at release;
-        # a move stays within the model). Read by the director for a request's standing (headroom).
-        self._tenant_tokens: dict[str, dict[str, int]] = {}
-        self._model_tokens: dict[str, int] = {}
 
     # -- room ------------------------------------------------------------
 
@@ -168,38 +161,9 @@ class Ledger:
 
     # -- claims ----------------------------------------------------------
 
-    def claim(self, model: str, endpoint: Endpoint, tokens: int = 0, tenant: str = "") -> Lease:
-        """Count one request, committing `tokens`, on `endpoint` for `model` (and for `tenant` on it)."""
-        lease = Lease(self, model, endpoint, self._add(endpoint, tokens), tokens, tenant)
-        if tokens <= 0:
-            return lease  # nothing to tally (and nothing for its release to take away)
-        per = self._tenant_tokens.get(model)
-        if per is None:
-            per = self._tenant_tokens[model] = {}
-        per[tenant] = per.get(tenant, 0) + tokens
-        self._model_tokens[model] = self._model_tokens.get(model, 0) + tokens
-        return lease
-
-    def untally(self, model: str, tenant: str, tokens: int) -> None:
-        """A lease's tokens leave its tenant's and its model's in-flight totals (its release)."""
-        if tokens <= 0:
-            return
-        per = self._tenant_tokens[model]
-        left = per[tenant] - tokens
-        if left > 0:
-            per[tenant] = left
-        else:
-            del per[tenant]
-        self._model_tokens[model] -= tokens
-
-    def tenant_tokens(self, model: str, tenant: str) -> int:
-        """Tokens `tenant` has in flight on `model` (its leases' estimates)."""
-        per = self._tenant_tokens.get(model)
-        return per.get(tenant, 0) if per is not None else 0
-
-    def model_tokens(self, model: str) -> int:
-        """Tokens in flight on `model`, every tenant's."""
-        return self._model_tokens.get(model, 0)
+    def claim(self, model: str, endpoint: Endpoint, tokens: int = 0) -> Lease:
+        """Count one request, committing `tokens`, on `endpoint` for `model`."""
+        return Lease(self, model, endpoint, self._add(endpoint, tokens), tokens)
 
     def move(self, endpoint: Endpoint, seq: int, target: Endpoint, tokens: int = 0) -> int:
         """Move a claim and its tokens; the new claim's sequence number (new to `target`: counted

@@ -190,26 +190,25 @@ class Picker:
         return candidates
 
     def pick(self, model: str, prefix: Sequence[int] = (), *, cost: int = 0,
-             subset: frozenset[Endpoint] | None = None, tenant: str = "", headroom: int = 0,
+             subset: frozenset[Endpoint] | None = None, headroom: int = 0,
              headroom_tokens: int | None = None, prefer_fast: bool = False) -> Pick:
         """`prefix`: the prompt's block hashes (prefix.prompt_blocks), for prefix affinity;
         `cost`: the request's estimated tokens, committed on the endpoint while the lease holds;
         `subset`: pick only among these endpoints (the endpoint picker protocol's subset hint);
-        `tenant`: whose in-flight tokens the lease counts in (`Ledger.tenant_tokens`);
         `headroom`, `headroom_tokens`: slots and tokens to leave free on an endpoint for protected
         requests (the request's standing; saturation.py); `prefer_fast`: a protected request in
         contention, which passes over much slower near ties (scheduler.py).
         Raises `Saturated` (a 429/503 Rejection) when no candidate has room."""
         started = perf_counter()
         candidates = self.require_endpoints(model, subset=subset)
-        request = PickRequest(model, tuple(prefix), cost, headroom, headroom_tokens, tenant, prefer_fast)
+        request = PickRequest(model, tuple(prefix), cost, headroom, headroom_tokens, prefer_fast)
         ranked = self._scheduler.rank(request, candidates, 1 + self._fallbacks)
         if ranked is None:
             self._metrics.outcome["saturated"].inc()
             assert self._scheduler.saturation is not None
             raise self._scheduler.saturation.rejection(model, len(candidates))
         primary = ranked[0]
-        result = Pick(primary, tuple(ranked[1:]), self._ledger.claim(model, primary, cost, tenant))
+        result = Pick(primary, tuple(ranked[1:]), self._ledger.claim(model, primary, cost))
         self._scheduler.picked(request, primary)
         self._metrics.outcome["picked"].inc()
         self._metrics.latency.observe(perf_counter() - started)

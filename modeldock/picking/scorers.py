@@ -37,7 +37,6 @@ class PickRequest:
     # on an endpoint for protected requests (saturation.py); 0 for a protected request.
     headroom: int = 0
     headroom_tokens: int | None = None
-    tenant: str = ""  # whose in-flight tokens the lease counts (Ledger.tenant_tokens)
     # A protected request while others must leave it room: among near ties it takes a fast endpoint
     # (scheduler._least_recent), as its class or share is what the contention is decided by.
     prefer_fast: bool = False

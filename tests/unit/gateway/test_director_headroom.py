@@ -1,6 +1,6 @@
 """Headroom in the director: the standing it passes the picker (a class above, or a tenant served
-over its share), the kept tokens sized to protected requests, and the per-tenant in-flight tokens
-returning to zero on every path a request can take. FakeClock, no gRPC."""
+over its share), the kept tokens sized to protected requests, and the committed tokens returning
+to zero on every path a request can take. FakeClock, no gRPC."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ class Rig:
         body = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 90}).encode()
         return asyncio.ensure_future(self.gateway.route(head, body))
 
-    def tokens(self, tenant: str) -> int:
-        return self.picker.ledger.tenant_tokens("m", tenant)
+    def committed(self) -> int:
+        """Tokens committed on the model's endpoints by requests in flight."""
+        return self.picker.ledger.total_committed()
 
 
 async def _settle() -> None:
@@ -76,7 +77,7 @@ async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
     await _settle()
     assert second.done()
     (await second).release()
-    assert rig.tokens("bat") == rig.tokens("ivy") == rig.picker.ledger.model_tokens("m") == 0
+    assert rig.committed() == 0
 
 
 async def test_a_tenant_over_its_share_leaves_a_slot_for_one_under_it() -> None:
@@ -93,24 +94,24 @@ async def test_a_tenant_over_its_share_leaves_a_slot_for_one_under_it() -> None:
         routed.release()
     await _settle()
     (await second).release()
-    assert rig.tokens("alice") == rig.tokens("bob") == 0
+    assert rig.committed() == 0
 
 
 async def test_headroom_zero_keeps_the_queue_purely_work_conserving() -> None:
     rig = Rig(headroom=0)
     (await rig.route("ivy")).release()
     held = [await rig.route("bat", i) for i in range(2)]  # both slots for batch
-    assert rig.tokens("bat") == sum(r.lease.tokens for r in held) > 0
+    assert rig.committed() == sum(r.lease.tokens for r in held) > 0
     for routed in held:
         routed.release()
-    assert rig.tokens("bat") == 0
+    assert rig.committed() == 0
 
 
-async def test_tenant_tokens_return_to_zero_on_every_path() -> None:
+async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     rig = Rig(ttl_seconds=1.0, max_wait_seconds=None)
     a = await rig.route("alice", 1)
     b = await rig.route("alice", 2)
-    assert rig.tokens("alice") == rig.picker.ledger.model_tokens("m") > 0
+    assert rig.committed() == a.lease.tokens + b.lease.tokens > 0
     # Cancelled while queued: never counted.
     cancelled = rig.route("alice", 3)
     await _settle()
@@ -130,15 +131,16 @@ async def test_tenant_tokens_return_to_zero_on_every_path() -> None:
     b.release()
     late.cancel()
     await _settle()
-    assert late.cancelled() and rig.tokens("alice") == a.lease.tokens > 0
-    # Retried on another endpoint: the tokens move with the lease, still the tenant's.
+    assert late.cancelled() and rig.committed() == a.lease.tokens > 0
+    # Retried on another endpoint: the tokens move with the lease.
     rig.gateway.on_endpoints("m", (EP, OTHER))
-    before = rig.tokens("alice")
-    assert a.lease.move_to(OTHER.address) and rig.tokens("alice") == before
+    before = rig.committed()
+    assert a.lease.move_to(OTHER.address) and rig.committed() == before
+    assert rig.picker.ledger.committed(OTHER) == before
     # Ended, twice (idempotent).
     a.release()
     a.release()
-    assert rig.tokens("alice") == rig.picker.ledger.model_tokens("m") == 0
+    assert rig.committed() == 0
     assert rig.picker.total_in_flight() == 0
 
 
@@ -162,7 +164,7 @@ async def test_a_protected_request_already_queued_passes_a_head_over_its_share()
     assert second.done()
     for routed in (taken, await second):
         routed.release()
-    assert rig.tokens("alice") == rig.tokens("bob") == rig.picker.ledger.model_tokens("m") == 0
+    assert rig.committed() == 0
 
 
 async def test_the_kept_room_is_sized_to_the_protected_requests_seen() -> None:

@@ -63,14 +63,14 @@ def test_picker_refuses_a_request_that_must_leave_headroom_and_serves_a_protecte
         picker.observe(ep, Sample(1.0, 2.0, 0.1), clock.monotonic())
     clock.advance(0.1)
     picker.observe(ep, Sample(0.0, 0.0, 0.1), clock.monotonic())
-    first = picker.pick("m", cost=10, tenant="a", headroom=1)
+    first = picker.pick("m", cost=10, headroom=1)
     with pytest.raises(Saturated):
-        picker.pick("m", cost=10, tenant="a", headroom=1)
-    last = picker.pick("m", cost=10, tenant="b")  # protected: takes the last slot
-    assert picker.ledger.tenant_tokens("m", "a") == 10 and picker.ledger.model_tokens("m") == 20
+        picker.pick("m", cost=10, headroom=1)  # refused: counts nothing
+    last = picker.pick("m", cost=10)  # protected: takes the last slot
+    assert picker.ledger.committed(ep) == 20 and picker.total_in_flight() == 2
     first.lease.release()
     last.lease.release()
-    assert picker.ledger.tenant_tokens("m", "a") == picker.ledger.model_tokens("m") == 0
+    assert picker.ledger.committed(ep) == picker.total_in_flight() == 0
 
 
 def test_token_headroom_applies_before_the_batch_limit_is_learned() -> None:
