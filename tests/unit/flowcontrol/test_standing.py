@@ -78,19 +78,17 @@ def test_active_tenants_expire_with_the_window() -> None:
     assert standing.active_weight("m") == 0.0
 
 
-def test_kept_tokens_fit_nearly_every_recent_protected_request() -> None:
+def test_kept_tokens_fit_every_recent_protected_request() -> None:
     clock = FakeClock()
     standing = Standing(clock, window=2.0)
     assert standing.kept_tokens("m") is None  # nothing seen: the picker's own default applies
-    for cost in range(1, 101):  # only the last KEPT_SAMPLES count: 69..100
+    standing.protected("m", 5000)  # an outlier long ago: only the last KEPT_SAMPLES count
+    for cost in range(100, 0, -1):  # the last KEPT_SAMPLES: 32..1
         standing.protected("m", cost)
     assert len(standing._models["m"].costs) == KEPT_SAMPLES
-    kept = standing.kept_tokens("m")
-    assert kept is not None
-    fits = sum(1 for c in range(101 - KEPT_SAMPLES, 101) if c <= kept)
-    assert 0.85 * KEPT_SAMPLES <= fits < KEPT_SAMPLES  # ~90%: not the largest outlier, nearly all
-    standing.protected("m", 5000)  # a new sample is taken into account at the next question
-    assert standing.kept_tokens("m") == kept + 1
+    assert standing.kept_tokens("m") == KEPT_SAMPLES  # the largest of them: every one fits
+    standing.protected("m", 700)  # a new sample is taken into account at the next question
+    assert standing.kept_tokens("m") == 700
     assert standing.kept_tokens("other") is None
 
 
