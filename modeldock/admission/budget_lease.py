@@ -132,6 +132,7 @@ class LeaseBook:
         ):
             # So steady traffic never misses: the next lease is granted before this one runs out.
             lease.topped = state.pending = True
+            self.top_ups += 1
             self._spawn(self._top_up(lease, state, cost))
         return lease, self._decision(lease, now)
 
@@ -187,6 +188,10 @@ class LeaseBook:
         """Tokens the active leases hold undrawn (tests, shutdown checks)."""
         return sum(max(s.active.room, 0) for s in self._sets.values() if s.active is not None)
 
+    async def wait(self) -> None:
+        """Until the top-ups in flight have their answer (flush, tests)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def close(self) -> None:
         """Stop top-ups (one cut mid-call is undone in Redis) and retire every lease; the caller then
         flushes the windows."""
@@ -227,7 +232,6 @@ class LeaseBook:
         lease.timer = later(self.lease_s, lambda: self._expire(lease))
 
     async def _top_up(self, old: Lease, state: _Set, cost: int) -> None:
-        self.top_ups += 1
         generation = self._generation
         try:
             _, lease = await self._grant(old.window, old.budget_set, self._next_id(), cost, self._target(state, cost))

@@ -288,7 +288,9 @@ class TokenBudgets:
                 self._spawn(self._close_later(retired))
 
     async def flush(self) -> None:
-        """Send the queued Redis settlements now and wait for them (shutdown, tests)."""
+        """Wait for lease top-ups in flight, then send the queued Redis settlements now and wait for them
+        (shutdown, tests)."""
+        await self._leases.wait()
         for window in [*self._retired, *([self._redis] if self._redis else [])]:
             await window.batch.flush()
 
