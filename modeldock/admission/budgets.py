@@ -6,7 +6,8 @@
     ...
     await reservation.finish(reached_backend=..., usage=...)                      # exactly once; later calls no-op
 
-The windows, the Redis layout and the settlement rule are in README.md ("Token budgets").
+The windows, the Redis layout, token leases (budget_lease.py: with Redis, requests are admitted from a
+block reserved there, without a round trip each) and the settlement rule are in README.md ("Token budgets").
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class TokenBudgets:
         self._minute = minute_seconds
         self._day = day_seconds
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
-        self._redis_call_later = redis_call_later  # tests only: fires the settlement flush timer
+        self._redis_call_later = redis_call_later  # tests only: fires the settlement flush and lease timers
         self._local = TokenWindow(clock)
         self._limits = config.limits
         self._redis = self._make_redis(config.limits)

@@ -13,6 +13,7 @@ from modeldock.admission.budgets import Reservation, TokenBudgets
 from modeldock.admission.redis_batch import make_batch_client
 from modeldock.admission.tokens import Usage
 from modeldock.clock import FakeClock
+from modeldock.config import ConfigError, parse_config
 from modeldock.errors import RateLimited, Unavailable
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
@@ -308,3 +309,12 @@ async def test_a_burst_of_misses_takes_one_lease(redis_server: RedisServer) -> N
     finally:
         await budgets.close()
     assert await redis_total(redis_server) == 1600
+
+
+@pytest.mark.parametrize(("value", "reason"), [(-1, "greater than or equal to 0"), (10_001, "less than or equal")])
+def test_the_lease_lifetime_is_validated_and_named(value: int, reason: str) -> None:
+    data = {"models": [{"name": "m", "endpoints": ["127.0.0.1:8000"]}], "limits": {"token_lease_ms": value}}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "gw.yaml")
+    assert "gw.yaml: limits.token_lease_ms: " in str(info.value) and reason in str(info.value)
+    assert parse_config({**data, "limits": {}}).limits.token_lease_ms == 1000
