@@ -12,7 +12,9 @@ round by round; the best round counts (noise only adds).
   pipe-evalsha-K    K pairs per pipeline, queued as EVALSHA
   batcher           modeldock.admission.redis_batch.RedisBatch: reserve awaited, settle deferred
   budgets-local     TokenBudgets.reserve + finish_nowait per request, local windows only (per request)
-  budgets-redis     the same with the windows in Redis: what the Redis budget adds per request
+  budgets-redis     the same with the windows in Redis (token leases on, the default): what the Redis
+                    budget adds per request
+  budgets-redis-exact  the same without leases (token_lease_ms: 0): one reserve round trip per request
   ping-floor        one bare PING round trip per pair on a held connection (the floor of any shape)
   *-lean            a plain ConnectionPool without socket_timeout (the call is bounded by asyncio.timeout)
 
@@ -134,12 +136,14 @@ async def ping_floor(url: str) -> tuple[Pair, Callable[[], Awaitable[None]]]:
     return pair, close
 
 
-async def budget_requests(redis_url: str | None) -> tuple[Pair, Callable[[], Awaitable[None]]]:
+async def budget_requests(
+    redis_url: str | None, lease_ms: int = 1000
+) -> tuple[Pair, Callable[[], Awaitable[None]]]:
     """TokenBudgets as the gateway uses it: reserve on the request path, then settle without waiting."""
     tenant = TenantConfig(id="t", api_key_hashes=[hash_key("k")], models=["*"],
                           tokens_per_minute=10**12, tokens_per_day=10**12)
     config = Config(tenants=[tenant], models=[ModelConfig(name="m", endpoints=["127.0.0.1:8000"])],
-                    limits=LimitsConfig(redis_url=redis_url, redis_timeout_ms=1000))
+                    limits=LimitsConfig(redis_url=redis_url, redis_timeout_ms=1000, token_lease_ms=lease_ms))
     budgets = TokenBudgets(config, SystemClock())
 
     async def request() -> None:
@@ -181,6 +185,7 @@ async def main() -> None:
     variants: dict[str, tuple[Callable[[], Awaitable[tuple[Pair, Callable[[], Awaitable[None]]]]], int, bool]] = {
         "budgets-local": (lambda: budget_requests(None), 1, True),
         "budgets-redis": (lambda: budget_requests(url), 1, True),
+        "budgets-redis-exact": (lambda: budget_requests(url, 0), 1, True),
         "ping-floor": (lambda: ping_floor(url), 1, False),
         "script-blocking": (lambda: script_pairs(make_redis_client(url, TIMEOUT_S)), 1, True),
         "script-plain": (lambda: script_pairs(plain_client(url)), 1, True),
@@ -210,7 +215,7 @@ async def main() -> None:
           f"{opts.rounds} rounds")
     for name in variants:
         cells = [f"c={c}: {best[(name, c)]:7.1f}" for c in (1, 16) if (name, c) in best]
-        print(f"  {name:18} " + "   ".join(cells))
+        print(f"  {name:20} " + "   ".join(cells))
     if opts.no_write or opts.only:
         return
     base = best.get(("script-blocking", 1))

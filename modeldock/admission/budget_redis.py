@@ -4,7 +4,8 @@ Same semantics as `budget_window.TokenWindow`. Each window is two keys in the
 tenant's hash slot: a sorted set (member: reservation id, score: the Redis
 server's time in microseconds) and a hash (reservation id -> amount, plus the
 running total under `~total`). Reserving is one Lua script: prune every window,
-check that the cost fits all of them, then add to all or none. Settling is a
+check that the cost fits all of them, then add to all or none (up to `want`: a
+lease, budget_lease.py). Settling is a
 second script that sets the amount (absolute, so a resent call cannot count
 twice) in every window that still holds the reservation.
 
@@ -50,27 +51,37 @@ end
 """
 
 # KEYS: per window a sorted set and its hash. ARGV[1]: reservation id; ARGV[2]:
-# cost; ARGV[3]: now in µs or ''; then per window: window µs, limit.
-# Returns {allowed, then per window: remaining, reset_us, retry_us}.
+# cost (the least that must fit); ARGV[3]: now in µs or ''; ARGV[4]: want (>= cost);
+# then per window: window µs, limit. Admits when the cost fits every window and
+# adds g = min(want, the room in every window) under the id (a lease; want = cost
+# for one request). An id already present is not added again and its stored
+# amount is returned (a resent call). Returns {allowed, then per window:
+# remaining, reset_us, retry_us, then g (0 when refused)}.
 RESERVE_LUA = (
     _COMMON_LUA
     + """
-local id, cost = ARGV[1], tonumber(ARGV[2])
+local id, cost, want = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
+if want < cost then want = cost end
 local n = #KEYS / 2
 local used, allowed = {}, 1
-local again = redis.call('ZSCORE', KEYS[1], id) ~= false
+local stored = redis.call('HGET', KEYS[2], id)
+local again = stored ~= false
+local grant = want
 for i = 1, n do
-  used[i] = prune(KEYS[2 * i - 1], KEYS[2 * i], tonumber(ARGV[2 + 2 * i]))
-  if not again and used[i] + cost > tonumber(ARGV[3 + 2 * i]) then allowed = 0 end
+  used[i] = prune(KEYS[2 * i - 1], KEYS[2 * i], tonumber(ARGV[3 + 2 * i]))
+  local room = tonumber(ARGV[4 + 2 * i]) - used[i]
+  if not again and cost > room then allowed = 0 end
+  if room < grant then grant = room end
 end
+if again then grant = tonumber(stored) elseif allowed == 0 then grant = 0 end
 local out = {allowed}
 for i = 1, n do
   local z, h = KEYS[2 * i - 1], KEYS[2 * i]
-  local window, limit = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  local window, limit = tonumber(ARGV[3 + 2 * i]), tonumber(ARGV[4 + 2 * i])
   if allowed == 1 and not again then
     redis.call('ZADD', z, now, id)
-    redis.call('HSET', h, id, cost)
-    used[i] = redis.call('HINCRBY', h, '~total', cost)
+    redis.call('HSET', h, id, grant)
+    used[i] = redis.call('HINCRBY', h, '~total', grant)
     local ttl = math.ceil(window / 1000) + 1
     redis.call('PEXPIRE', z, ttl)
     redis.call('PEXPIRE', h, ttl)
@@ -93,6 +104,7 @@ for i = 1, n do
   out[#out + 1] = reset
   out[#out + 1] = retry
 end
+out[#out + 1] = grant
 return out
 """
 )
@@ -154,13 +166,26 @@ class RedisTokenWindow:
         return self._batch
 
     async def try_reserve_all(self, entry_id: str, cost: int, limits: Sequence[BudgetLimit]) -> list[Decision]:
+        return (await self.reserve_up_to(entry_id, cost, cost, limits))[0]
+
+    async def reserve_up_to(
+        self, entry_id: str, cost: int, want: int, limits: Sequence[BudgetLimit]
+    ) -> tuple[list[Decision], int]:
+        """Admit when `cost` fits every window and add min(`want`, the room in every window) under
+        `entry_id`: the decisions (remaining after the whole grant) and the amount granted (0 when
+        refused; a resent call returns the amount stored by the first)."""
         if not limits:
-            return []
-        args: list[int | str] = [entry_id, cost, self._now_arg()]
+            return [], 0
+        args: list[int | str] = [entry_id, cost, self._now_arg(), max(want, cost)]
         for _, limit, window in limits:
             args.extend((_us(window), limit))
         reply = await self._batch.call(_RESERVE, _keys(key for key, _, _ in limits), args)
-        return decisions_from_reply(reply, [limit for _, limit, _ in limits])
+        decisions = decisions_from_reply(reply, [limit for _, limit, _ in limits])
+        try:
+            grant = int(reply[1 + 3 * len(limits)])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise RedisUnavailable(f"unexpected script reply: {exc}") from None
+        return decisions, grant
 
     async def settle(self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int) -> int:
         """Settle now and return the number of windows changed."""

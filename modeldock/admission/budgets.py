@@ -6,7 +6,8 @@
     ...
     await reservation.finish(reached_backend=..., usage=...)                      # exactly once; later calls no-op
 
-The windows, the Redis layout and the settlement rule are in README.md ("Token budgets").
+The windows, the Redis layout, token leases (budget_lease.py: with Redis, requests are admitted from a
+block reserved there, without a round trip each) and the settlement rule are in README.md ("Token budgets").
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 
 from modeldock.admission.budget_headers import token_ratelimit_headers, token_rejection_headers
+from modeldock.admission.budget_lease import BudgetSet, Drawn, Lease, LeaseBook
 from modeldock.admission.budget_redis import RedisTokenWindow, budget_key
 from modeldock.admission.budget_window import BudgetLimit, TokenWindow
 from modeldock.admission.headers import format_duration
@@ -64,7 +66,7 @@ class Reservation:
     end-of-stream path, an error path and a retry report may all call it.
     """
 
-    __slots__ = ("_budgets", "_entry_id", "_keys", "_redis", "request_id", "cost", "headers", "state", "charged")
+    __slots__ = ("_budgets", "_entry_id", "_keys", "_lease", "request_id", "cost", "headers", "state", "charged")
 
     def __init__(
         self,
@@ -73,13 +75,13 @@ class Reservation:
         entry_id: str,
         cost: int,
         keys: list[tuple[str, float]],
-        redis: RedisTokenWindow | None,
+        lease: Lease | None,
         headers: Mapping[str, str],
     ) -> None:
         self._budgets = budgets
         self._entry_id = entry_id
         self._keys = keys
-        self._redis = redis  # the shared window that holds it, if any
+        self._lease = lease  # the shared (Redis) lease it was drawn from, if any
         self.request_id = request_id
         self.cost = cost
         self.headers: Mapping[str, str] = headers
@@ -165,7 +167,7 @@ class TokenBudgets:
         self._minute = minute_seconds
         self._day = day_seconds
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
-        self._redis_call_later = redis_call_later  # tests only: fires the settlement flush timer
+        self._redis_call_later = redis_call_later  # tests only: fires the settlement flush and lease timers
         self._local = TokenWindow(clock)
         self._limits = config.limits
         self._redis = self._make_redis(config.limits)
@@ -175,6 +177,14 @@ class TokenBudgets:
         self._tag = os.urandom(6).hex()
         self._ids = itertools.count()
         self._warn = LogThrottle(clock, warn_interval_s)
+        self._leases = LeaseBook(
+            clock,
+            config.limits.token_lease_ms / 1000,
+            next_id=self._next_id,
+            on_redis_error=self._top_up_failed,
+            on_settle_error=self._settle_failed,
+            call_later=redis_call_later,
+        )
         # Plain counters; the caller may export them.
         self.decisions: dict[str, int] = {"admitted": 0, "rate_limited": 0, "too_large": 0, "unavailable": 0}
         self.redis_errors = 0
@@ -207,54 +217,71 @@ class TokenBudgets:
                     "Reduce the prompt or max_tokens (max_completion_tokens).",
                     code="tokens_request_too_large",
                 )
-        entry_id = f"{self._tag}:{next(self._ids):x}"
+        entry_id = self._next_id()
         keys = [(key, window) for key, _, window in limits]
         local = self._local.try_reserve_all(entry_id, cost, limits)
         index = binding(local)
         if not local[index].allowed:
             raise self._rate_limited(labels[index], local[index], cost)
-        decision, holder = local[index], None
+        decision, lease = local[index], None
         redis = self._redis
         if redis is not None:
-            try:
-                shared = await redis.try_reserve_all(entry_id, cost, limits)
-            except RedisUnavailable as exc:
-                self.redis_errors += 1
-                if not self._limits.redis_fail_open:
-                    self._local.settle(entry_id, keys, 0)
-                    self._refund_later(redis, entry_id, keys)  # it may have counted before the timeout
-                    self.decisions["unavailable"] += 1
-                    if self._warn.ready():
-                        log.warning("Redis token budgets failed (%s); rejecting requests with 503", exc)
-                    raise Unavailable(
-                        "Rate limiting is unavailable right now, so the request was not admitted. Retry shortly.",
-                        code="rate_limiter_unavailable",
-                        headers={"Retry-After": "1"},
-                    ) from None
-                self.fail_open_passes += 1
-                if self._warn.ready():
-                    log.warning("Redis token budgets failed (%s); admitting on local budgets (fail open)", exc)
-            except BaseException:
-                self._local.settle(entry_id, keys, 0)
-                self._refund_later(redis, entry_id, keys)
-                raise
-            else:
-                index = binding(shared)
-                if not shared[index].allowed:
-                    self._local.settle(entry_id, keys, 0)
-                    raise self._rate_limited(labels[index], shared[index], cost)
-                decision, holder = shared[index], redis
+            budget_set = tuple(limits)
+            # From the set's lease when it has room (no I/O), else one round trip that grants a new one.
+            drawn = self._leases.draw(budget_set, cost) or await self._reserve_shared(
+                redis, budget_set, entry_id, keys, labels, cost
+            )
+            if drawn is not None:
+                lease, decision = drawn
         self.decisions["admitted"] += 1
-        reservation = Reservation(
-            self, request_id, entry_id, cost, keys, holder, token_ratelimit_headers(decision)
-        )
+        reservation = Reservation(self, request_id, entry_id, cost, keys, lease, token_ratelimit_headers(decision))
         self._held[request_id] = reservation
         return reservation
+
+    async def _reserve_shared(
+        self,
+        redis: RedisTokenWindow,
+        budget_set: BudgetSet,
+        entry_id: str,
+        keys: list[tuple[str, float]],
+        labels: list[str],
+        cost: int,
+    ) -> Drawn | None:
+        """A lease miss: Redis decides (429, or 503 / a local pass when it fails). None: failed open."""
+        try:
+            shared, drawn = await self._leases.reserve(redis, budget_set, entry_id, cost)
+        except RedisUnavailable as exc:
+            self.redis_errors += 1
+            if not self._limits.redis_fail_open:
+                self._local.settle(entry_id, keys, 0)
+                self.decisions["unavailable"] += 1
+                if self._warn.ready():
+                    log.warning("Redis token budgets failed (%s); rejecting requests with 503", exc)
+                raise Unavailable(
+                    "Rate limiting is unavailable right now, so the request was not admitted. Retry shortly.",
+                    code="rate_limiter_unavailable",
+                    headers={"Retry-After": "1"},
+                ) from None
+            self.fail_open_passes += 1
+            if self._warn.ready():
+                log.warning("Redis token budgets failed (%s); admitting on local budgets (fail open)", exc)
+            return None
+        except BaseException:
+            self._local.settle(entry_id, keys, 0)
+            raise
+        if drawn is None:
+            self._local.settle(entry_id, keys, 0)
+            index = binding(shared)
+            raise self._rate_limited(labels[index], shared[index], cost)
+        return drawn
 
     def reconfigure(self, config: Config) -> None:
         """New limits apply from the next reservation; held reservations settle where they were made."""
         old, new = self._limits, config.limits
         self._limits = new
+        # Leases belong to a window and a budget set: new ones are made from the next request on.
+        self._leases.retire_all()
+        self._leases.lease_s = new.token_lease_ms / 1000
         if (old.redis_url, old.redis_timeout_ms) != (new.redis_url, new.redis_timeout_ms):
             retired, self._redis = self._redis, self._make_redis(new)
             if retired is not None:
@@ -262,7 +289,9 @@ class TokenBudgets:
                 self._spawn(self._close_later(retired))
 
     async def flush(self) -> None:
-        """Send the queued Redis settlements now and wait for them (shutdown, tests)."""
+        """Wait for lease top-ups in flight, then send the queued Redis settlements now and wait for them
+        (shutdown, tests)."""
+        await self._leases.wait()
         for window in [*self._retired, *([self._redis] if self._redis else [])]:
             await window.batch.flush()
 
@@ -272,6 +301,7 @@ class TokenBudgets:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._leases.close()  # their settlements are queued in the windows flushed below
         windows = [*self._retired, *([self._redis] if self._redis else [])]
         self._retired.clear()
         self._redis = None
@@ -280,21 +310,29 @@ class TokenBudgets:
     def _settle(self, reservation: Reservation, amount: int) -> asyncio.Future[None] | None:
         self._held.pop(reservation.request_id, None)
         self._local.settle(reservation._entry_id, reservation._keys, amount)
-        redis = reservation._redis
-        if redis is None:
+        lease = reservation._lease
+        if lease is None:
             return None
-        # Queued in the window that holds it; a caller cancelled mid-call does not cut it.
-        return redis.settle_later(reservation._entry_id, reservation._keys, amount, self._settle_failed)
+        # Any Redis write is queued in the window that holds the lease; a cancelled caller does not cut it.
+        return self._leases.settle(lease, reservation.cost, amount)
 
     def held_count(self) -> int:
         """Reservations not yet settled (for tests and shutdown checks)."""
         return len(self._held)
 
     def _settle_failed(self, exc: RedisUnavailable) -> None:
-        # The shared windows keep the reservation's amount: the request is charged its estimate.
+        # The shared windows keep the entry's amount: the requests are charged their estimates.
         self.settle_errors += 1
         if self._warn.ready():
             log.warning("Redis token settlement failed (%s); the reservation stands as charged", exc)
+
+    def _top_up_failed(self, exc: RedisUnavailable) -> None:
+        self.redis_errors += 1
+        if self._warn.ready():
+            log.warning("Redis token lease top-up failed (%s); the next request reserves in Redis", exc)
+
+    def _next_id(self) -> str:
+        return f"{self._tag}:{next(self._ids):x}"
 
     def _budgets(self, tenant: TenantConfig, model: str) -> tuple[list[BudgetLimit], list[str]]:
         limits: list[BudgetLimit] = []
@@ -319,11 +357,6 @@ class TokenBudgets:
             code="tokens_rate_limited",
             headers=token_rejection_headers(decision),
         )
-
-    @staticmethod
-    def _refund_later(redis: RedisTokenWindow, entry_id: str, keys: list[tuple[str, float]]) -> None:
-        """Best effort: a reserve that timed out or was cancelled may still have been counted."""
-        redis.settle_later(entry_id, keys, 0, _ignore)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         try:
@@ -350,7 +383,3 @@ class TokenBudgets:
             now_us=self._redis_now_us,
             call_later=self._redis_call_later,
         )
-
-
-def _ignore(_exc: RedisUnavailable) -> None:
-    pass

@@ -38,6 +38,7 @@ TENANTS = ("shared", "json", "retry", "cancel", "redis", "hdr")
 KEYS = {t: f"md-tok-{t}-{_RUN}" for t in TENANTS}
 SHARED_BUDGET = 1500
 BIG = 10_000_000
+LEASE_MS = 1000  # limits.token_lease_ms: a replica admits from a block reserved in Redis for this long
 
 
 @dataclass
@@ -94,7 +95,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         data["tenants"] += [tenant("shared", tokens_per_minute=SHARED_BUDGET),
                             *(tenant(t, tokens_per_minute=BIG) for t in ("json", "retry", "cancel", "redis")),
                             tenant("hdr", tokens_per_minute=BIG, tokens_per_day=BIG)]
-        data["limits"] = {"redis_timeout_ms": 2000}
+        data["limits"] = {"redis_timeout_ms": 2000, "token_lease_ms": LEASE_MS}
         data["usage"] = {"path": str(usage_dir / "usage.jsonl"), "fsync_interval_seconds": 0}
         captured.update(copy.deepcopy(data))
 
@@ -256,6 +257,9 @@ def test_redis_down_fails_closed_or_open_and_recovers(env: Env) -> None:
 
     ask()
     env.redis.stop()
+    # Fails closed within the lease lifetime: a replica's lease may admit the tenant's next requests (no
+    # Redis involved) for up to LEASE_MS after its grant, then every request needs Redis.
+    time.sleep(LEASE_MS / 1000 + 0.2)
     with pytest.raises(openai.InternalServerError) as err:
         ask()
     assert err.value.status_code == 503 and err.value.body["code"] == "rate_limiter_unavailable"
@@ -270,6 +274,7 @@ def test_redis_down_fails_closed_or_open_and_recovers(env: Env) -> None:
         write_config(env, env.base)
     ask()  # fail-closed again, Redis back: admitted
     env.redis.stop()
+    time.sleep(LEASE_MS / 1000 + 0.2)
     with pytest.raises(openai.InternalServerError):
         ask()
     env.redis.start()

@@ -34,18 +34,32 @@ async def redis_total(server: RedisServer, key: str = MINUTE) -> int:
 
 
 def replica(
-    server: RedisServer, clock: FakeClock, tpm: int = 0, *, timeout_ms: int = 2000, redis_fail_open: bool = False
+    server: RedisServer,
+    clock: FakeClock,
+    tpm: int = 0,
+    *,
+    timeout_ms: int = 2000,
+    redis_fail_open: bool = False,
+    lease_ms: int | None = None,
 ) -> TokenBudgets:
+    """A replica, with the default lease lifetime unless `lease_ms` (0: every request reserved in Redis
+    on its own). Budgets here are small: most requests exceed a lease (1/16 of the budget)."""
+    leases = {} if lease_ms is None else {"token_lease_ms": lease_ms}
     cfg = budget_config(
-        budget_tenant(tpm=tpm), redis_url=server.url, redis_timeout_ms=timeout_ms, redis_fail_open=redis_fail_open
+        budget_tenant(tpm=tpm),
+        redis_url=server.url,
+        redis_timeout_ms=timeout_ms,
+        redis_fail_open=redis_fail_open,
+        **leases,
     )
     return TokenBudgets(cfg, clock, redis_now_us=clocked(clock))
 
 
-async def test_two_replicas_share_one_budget(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("lease_ms", [0, 1000])
+async def test_two_replicas_share_one_budget(redis_server: RedisServer, lease_ms: int) -> None:
     clock = FakeClock()
     t = budget_tenant(tpm=10_000)
-    a, b = replica(redis_server, clock, tpm=10_000), replica(redis_server, clock, tpm=10_000)
+    a, b = (replica(redis_server, clock, tpm=10_000, lease_ms=lease_ms) for _ in range(2))
     rng = random.Random(7)
     costs = [rng.randint(50, 900) for _ in range(120)]
     try:
@@ -55,16 +69,27 @@ async def test_two_replicas_share_one_budget(redis_server: RedisServer) -> None:
         )
         admitted = [costs[i] for i, r in enumerate(results) if not isinstance(r, BaseException)]
         assert all(isinstance(r, RateLimited) for r in results if isinstance(r, BaseException))
-        assert sum(admitted) <= 10_000 and sum(admitted) > 10_000 - 900
-        assert await redis_total(redis_server) == sum(admitted)
+        # With leases, each replica's active lease may hold undrawn room (at most 1/16 of the budget).
+        undrawn = a._leases.held() + b._leases.held()
+        assert undrawn <= 2 * 10_000 // 16 and (undrawn == 0 or lease_ms)
+        assert sum(admitted) + undrawn <= 10_000 and sum(admitted) + undrawn > 10_000 - 900
+        await a.flush()
+        await b.flush()
+        assert await redis_total(redis_server) == sum(admitted) + undrawn
         # Settling higher than reserved overshoots the budget by at most what those requests underestimated.
         held = [r for r in results if isinstance(r, Reservation)]
         for r in held:
             await r.settle(r.cost + 10)
-        assert await redis_total(redis_server) == sum(admitted) + 10 * len(held)
+        a._leases.retire_all()  # a retired lease's entry is what was drawn from it
+        b._leases.retire_all()
+        await a.flush()
+        await b.flush()
+        total = await redis_total(redis_server)
+        assert total == sum(admitted) + 10 * len(held)
+        left = max(10_000 - total, 0)
         with pytest.raises(RateLimited) as caught:
-            await a.reserve(t, "m", 1, "late")
-        assert caught.value.headers["x-ratelimit-remaining-tokens"] == "0"
+            await a.reserve(t, "m", left + 1, "late")
+        assert caught.value.headers["x-ratelimit-remaining-tokens"] == str(left)
     finally:
         await a.close()
         await b.close()
