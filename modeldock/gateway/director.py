@@ -78,7 +78,7 @@ _NO_SUCH_MODEL = "The model `{}` does not exist or you do not have access to it.
 
 # What a queued request carries for its pick: prompt blocks, token cost, the gateway's subset hint,
 # and its standing's inputs: tenant id, weight, class priority.
-_Waiting = tuple[Sequence[int], int, frozenset[Endpoint] | None, str, float, int]
+_Waiting = tuple[Sequence[int], int, frozenset[Endpoint] | None, str, float, int, int | None]
 
 
 class _Headroom(TypedDict, total=False):
@@ -184,7 +184,8 @@ class Gateway:
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             klass = self.request_class(tenant, head)
-            cost = estimate_cost(data, self.queues.config.default_max_tokens).total
+            estimate = estimate_cost(data, self.queues.config.default_max_tokens)
+            cost, output = estimate.total, estimate.max_new_tokens
             ticket = await self.admission.admit(tenant, model)
             reservation: Reservation | None = None
             reserved = 0
@@ -197,7 +198,7 @@ class Gateway:
                 ticket.release()
                 raise
             try:
-                pick = await self._pick(head, tenant, model, klass, prefix, cost, subset)
+                pick = await self._pick(head, tenant, model, klass, prefix, cost, subset, output)
             except BaseException:
                 ticket.release()  # timed out, shed, cancelled (the client left) or refused: nothing held
                 if reservation is not None:
@@ -265,7 +266,8 @@ class Gateway:
     # -- the queue -------------------------------------------------------
 
     async def _pick(self, head: RequestHead, tenant: TenantConfig, model: str, klass: str,
-                    prefix: Sequence[int], cost: int, subset: frozenset[Endpoint] | None = None) -> Pick:
+                    prefix: Sequence[int], cost: int, subset: frozenset[Endpoint] | None = None,
+                    output: int | None = None) -> Pick:
         """Pick + count at once when there is room and nobody waits; else wait in the queue."""
         priority = self.queues.config.priority(klass)
         self.standing.seen(model, tenant.id, tenant.weight, priority)
@@ -279,7 +281,8 @@ class Gateway:
         fast = self._prefer_fast(model, tenant.id, priority, headroom)
         if queue is None or fast:
             try:
-                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, prefer_fast=fast, **headroom)
+                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, prefer_fast=fast, output=output,
+                                        eager=queue is None, **headroom)
                 self.standing.served(model, tenant.id, cost)
                 return pick
             except Saturated:
@@ -290,7 +293,7 @@ class Gateway:
         max_wait = self.queues.config.max_wait_seconds
         speed = self.picker.ledger.speed(model) if max_wait is not None else 0.0
         item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight,
-                             data=(prefix, cost, subset, tenant.id, tenant.weight, priority),
+                             data=(prefix, cost, subset, tenant.id, tenant.weight, priority, output),
                              max_ahead=speed * max_wait if max_wait is not None and speed > 0 else None,
                              wait_hint=max_wait)
         if behind:
@@ -335,10 +338,10 @@ class Gateway:
 
     def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
         """Pick and count for a queued request, or None: still no room."""
-        prefix, cost, subset, tenant, weight, priority = cast(_Waiting, item.data)
+        prefix, cost, subset, tenant, weight, priority, output = cast(_Waiting, item.data)
         headroom = self.headroom(model, tenant, weight, priority)
         try:
-            pick = self.picker.pick(model, prefix, cost=cost, subset=subset,
+            pick = self.picker.pick(model, prefix, cost=cost, subset=subset, output=output,
                                     prefer_fast=self._prefer_fast(model, tenant, priority, headroom), **headroom)
         except Saturated:
             return None
@@ -352,7 +355,7 @@ class Gateway:
 
     def _protected(self, model: str, item: Item[Pick]) -> bool:
         """May a queued request use the headroom (the queue then tries it past a head that may not)?"""
-        _, _, _, tenant, weight, priority = cast(_Waiting, item.data)
+        _, _, _, tenant, weight, priority, _ = cast(_Waiting, item.data)
         return not self.headroom(model, tenant, weight, priority)
 
     def headroom(self, model: str, tenant: str, weight: float, priority: int) -> _Headroom:

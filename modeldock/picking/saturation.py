@@ -24,6 +24,27 @@ class SaturatedUnavailable(Saturated, Unavailable):
     pass
 
 
+def held_tokens(s: Signals, output: int | None) -> float:
+    """The most KV the endpoint's other sequences can hold while a request with `output` tokens of
+    output limit runs there: at most the tokens this gateway committed on it (prompt + output
+    limit of each), and, from a fresh sample with the speed known, at most what they hold now
+    plus `output` more each. In continuous batching every running sequence gains at most one
+    token per engine step, as the new one does, so while it produces `output` tokens no other
+    grows by more; once it is done its KV is free again, and every sequence still there was
+    checked the same way when it came. This lets a short request join a batch of long ones
+    whose full limits would not fit together but will not all be reached while it runs.
+
+    "Now" is the sample's KV plus the committed tokens of the requests picked since it (whole:
+    they may still be waiting there), plus what the endpoint could have produced since the sample
+    at its learned speed (an over-estimate: the speed counts prompt tokens too). Waiting
+    requests in the sample count among the sequences that grow."""
+    committed = float(s.committed)
+    if output is None or not s.fresh or s.speed <= 0 or s.capacity <= 0:
+        return committed
+    now = s.kv * s.capacity + s.new_tokens + s.age * s.speed
+    return min(committed, now + (s.running + s.waiting) * output)
+
+
 @dataclass(frozen=True)
 class Saturation:
     """When is an endpoint too full for one more request (of `cost` tokens)?
@@ -39,9 +60,15 @@ class Saturation:
       - its fresh sample shows requests waiting (corrected: picks since the sample count as
         waiting) while its KV cache is at least `kv_full` used (less the committed tokens of the
         sample's requests that finished since, with the capacity known): vLLM is queueing for memory;
-      - or, its KV capacity known (vllm:cache_config_info), the tokens this gateway has
-        committed there plus `cost` exceed it: a request that will not fit would preempt or
-        wait (an endpoint with nothing in flight always takes one, whatever its size);
+      - or, its KV capacity known (vllm:cache_config_info), the tokens held there while this
+        request runs (`held_tokens`) plus `cost` exceed it: a request that will not fit would
+        preempt or wait (an endpoint with nothing in flight always takes one, whatever its size).
+        `eager` (nobody waits in the gateway's queue for the model) asks less: the tokens this
+        gateway committed there do not exceed it yet, and the request's prompt fits the KV free
+        now (the fresh sample's, less the commitments picked since), which is what vLLM admits
+        on. Below capacity a burst then goes on at once as without a queue (a preemption is
+        possible, at most one request's worth per endpoint); once requests wait, each dispatch
+        must fit whole, so the queue never dispatches into a preemption;
       - or its sample is stale (or missing) and the local counts say it is full: the tokens
         rule above, or `stale_max_in_flight` requests in flight when set.
     Headroom (`over(..., headroom=h, headroom_tokens=t)`, h or t > 0: a request that must leave
@@ -80,7 +107,8 @@ class Saturation:
     def enabled(self) -> bool:
         return self.room or self.max_waiting is not None or self.max_kv is not None
 
-    def over(self, s: Signals, cost: int = 0, headroom: int = 0, headroom_tokens: int | None = None) -> bool:
+    def over(self, s: Signals, cost: int = 0, headroom: int = 0, headroom_tokens: int | None = None,
+             output: int | None = None, eager: bool = False) -> bool:
         if self.room:
             limit = s.limit
             capacity = s.capacity
@@ -95,8 +123,13 @@ class Saturation:
             if headroom_tokens and capacity > 0:
                 # At most half the cache is kept: the others' share never goes to nothing.
                 capacity -= min(float(headroom_tokens), capacity / 2)
-            if s.in_flight and capacity > 0 and s.committed + cost > capacity:
-                return True
+            if s.in_flight and capacity > 0:
+                if eager and s.fresh:
+                    prompt = cost - output if output is not None else cost
+                    if s.committed > capacity or s.kv * s.capacity + s.new_tokens + prompt > capacity:
+                        return True
+                elif held_tokens(s, output) + cost > capacity:
+                    return True
             if s.fresh:
                 kv = s.kv
                 if s.gone_tokens and s.capacity > 0:  # what finished since the sample freed its KV

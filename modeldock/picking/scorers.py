@@ -40,6 +40,10 @@ class PickRequest:
     # A protected request while others must leave it room: among near ties it takes a fast endpoint
     # (scheduler._least_recent), as its class or share is what the contention is decided by.
     prefer_fast: bool = False
+    # Its output limit (max_tokens), the part of `cost` that grows while it runs; None: unknown (all of it).
+    output: int | None = None
+    # Nobody waits in the gateway's queue for the model: room is what the backend would admit now.
+    eager: bool = False
 
 
 class Scorer(Protocol):

@@ -40,6 +40,7 @@ class Signals(NamedTuple):
     # Committed tokens of the requests in the sample that finished since: KV the sample's `kv` still
     # counts but the backend has freed (at most: a request may have held less than its limit).
     gone_tokens: int = 0
+    age: float = 0.0  # seconds since the sample was taken (fresh only; 0 otherwise)
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -180,4 +181,5 @@ class Load:
         waiting, running = correct(sample, self.new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
-                       self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens)
+                       self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens,
+                       now - self.taken_at)

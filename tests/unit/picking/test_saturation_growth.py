@@ -1,0 +1,88 @@
+"""The tokens rule with the output limit known: a short request joins long ones whose full limits
+would not fit together, because none of them can grow by more than its own output while it runs."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from modeldock.picking.saturation import Saturation, held_tokens
+from modeldock.picking.signals import Signals
+
+ROOM = Saturation(room=True, kv_full=1.0)
+CAPACITY = 1800.0
+
+
+def _signals(*, running: float = 3, kv: float = 0.5, committed: int = 1500, fresh: bool = True,
+             speed: float = 400.0, age: float = 0.0, new_tokens: int = 0, waiting: float = 0.0) -> Signals:
+    return Signals(int(running + waiting), fresh, waiting if fresh else 0.0, running if fresh else 0.0,
+                   kv if fresh else 0.0, None, committed, CAPACITY, speed, new_tokens, 0.0, 0.0, 0, age)
+
+
+def test_a_short_request_fits_where_the_full_limits_would_not() -> None:
+    s = _signals()  # 900 tokens held now by three sequences, 1500 committed at their limits
+    assert ROOM.over(s, cost=400)  # output unknown: the committed limits decide (1500 + 400 > 1800)
+    assert not ROOM.over(s, cost=400, output=32)  # 900 + 3 x 32 + 400 fits
+    assert ROOM.over(s, cost=400, output=256)  # 900 + 3 x 256 + 400 does not: long enough to meet them
+
+
+def test_the_committed_limits_still_bound_what_is_held() -> None:
+    s = _signals(kv=0.9, committed=1000)  # others' sequences (not ours) hold KV too
+    assert held_tokens(s, 32) == 1000
+
+
+def test_what_was_produced_since_the_sample_counts_at_the_learned_speed() -> None:
+    assert not ROOM.over(_signals(age=0.2), cost=400, output=32)  # + 80 tokens
+    assert ROOM.over(_signals(age=1.2), cost=400, output=32)  # + 480 tokens
+
+
+def test_picks_since_the_sample_count_whole_and_as_growing_sequences() -> None:
+    s = _signals(new_tokens=300, waiting=1)
+    assert held_tokens(s, 32) == 900 + 300 + 4 * 32
+
+
+def test_stale_samples_or_unknown_speed_fall_back_to_the_committed_limits() -> None:
+    assert held_tokens(_signals(fresh=False), 32) == 1500
+    assert held_tokens(_signals(speed=0.0), 32) == 1500
+    assert held_tokens(_signals(), None) == 1500
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=6),
+    st.integers(1, 600), st.integers(1, 300),
+)
+def test_admitted_requests_never_push_the_batch_past_capacity(
+    others: list[tuple[int, int, int]], prompt: int, output: int
+) -> None:
+    """Simulate continuous batching one token per step: whenever the rule admits the new request
+    next to sequences (prompt, limit, produced so far), their KV never exceeds the capacity
+    before the new one finishes (after that it holds nothing)."""
+    seqs = [(p, m, min(done, m - 1)) for p, m, done in others]
+    held_now = sum(p + done for p, _, done in seqs)
+    committed = sum(p + m for p, m, _ in seqs)
+    if held_now > CAPACITY:
+        return
+    s = _signals(running=len(seqs), kv=held_now / CAPACITY, committed=committed)
+    if ROOM.over(s, cost=prompt + output, output=output):
+        return
+    for step in range(output + 1):
+        total = prompt + step
+        for p, m, done in seqs:
+            if done + step < m:  # still running at this step
+                total += p + done + step
+        assert total <= CAPACITY
+
+
+def test_eager_asks_what_the_backend_admits_now_while_the_commitments_are_not_over() -> None:
+    s = _signals(kv=0.5, committed=1500)  # 900 held, 1500 committed
+    assert ROOM.over(s, cost=700, output=256)  # the whole of it would not fit while the others grow
+    assert not ROOM.over(s, cost=700, output=256, eager=True)  # its prompt (444) fits the free KV now
+    assert ROOM.over(s, cost=1200, output=256, eager=True)  # a prompt of 944 does not
+    assert ROOM.over(_signals(kv=0.5, committed=1801), cost=100, output=32, eager=True)  # already over: no more
+    assert ROOM.over(_signals(kv=0.5, committed=1500, new_tokens=500), cost=700, output=256, eager=True)
+
+
+def test_eager_needs_a_fresh_sample() -> None:
+    s = _signals(fresh=False, committed=1500)
+    assert ROOM.over(s, cost=700, output=256, eager=True)  # stale: the committed limits decide
