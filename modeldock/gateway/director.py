@@ -282,7 +282,7 @@ class Gateway:
         if queue is None or fast:
             try:
                 pick = self.picker.pick(model, prefix, cost=cost, subset=subset, prefer_fast=fast, output=output,
-                                        eager=queue is None, **headroom)
+                                        **headroom)
                 self.standing.served(model, tenant.id, cost)
                 return pick
             except Saturated:

@@ -191,20 +191,18 @@ class Picker:
 
     def pick(self, model: str, prefix: Sequence[int] = (), *, cost: int = 0,
              subset: frozenset[Endpoint] | None = None, headroom: int = 0,
-             headroom_tokens: int | None = None, prefer_fast: bool = False, output: int | None = None,
-             eager: bool = False) -> Pick:
+             headroom_tokens: int | None = None, prefer_fast: bool = False, output: int | None = None) -> Pick:
         """`prefix`: the prompt's block hashes (prefix.prompt_blocks), for prefix affinity;
         `cost`: the request's estimated tokens, committed on the endpoint while the lease holds;
         `subset`: pick only among these endpoints (the endpoint picker protocol's subset hint);
         `headroom`, `headroom_tokens`: slots and tokens to leave free on an endpoint for protected
         requests (the request's standing; saturation.py); `prefer_fast`: a protected request in
         contention, which passes over much slower near ties (scheduler.py); `output`: the part of
-        `cost` that is its output limit; `eager`: nobody waits in the gateway's queue for the model
-        (both for the tokens rule, saturation.py).
+        `cost` that is its output limit (for the tokens rule, saturation.py).
         Raises `Saturated` (a 429/503 Rejection) when no candidate has room."""
         started = perf_counter()
         candidates = self.require_endpoints(model, subset=subset)
-        request = PickRequest(model, tuple(prefix), cost, headroom, headroom_tokens, prefer_fast, output, eager)
+        request = PickRequest(model, tuple(prefix), cost, headroom, headroom_tokens, prefer_fast, output)
         ranked = self._scheduler.rank(request, candidates, 1 + self._fallbacks)
         if ranked is None:
             self._metrics.outcome["saturated"].inc()

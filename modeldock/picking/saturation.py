@@ -62,13 +62,7 @@ class Saturation:
         sample's requests that finished since, with the capacity known): vLLM is queueing for memory;
       - or, its KV capacity known (vllm:cache_config_info), the tokens held there while this
         request runs (`held_tokens`) plus `cost` exceed it: a request that will not fit would
-        preempt or wait (an endpoint with nothing in flight always takes one, whatever its size).
-        `eager` (nobody waits in the gateway's queue for the model) asks less: the tokens this
-        gateway committed there do not exceed it yet, and the request's prompt fits the KV free
-        now (the fresh sample's, less the commitments picked since), which is what vLLM admits
-        on. Below capacity a burst then goes on at once as without a queue (a preemption is
-        possible, at most one request's worth per endpoint); once requests wait, each dispatch
-        must fit whole, so the queue never dispatches into a preemption;
+        preempt or wait (an endpoint with nothing in flight always takes one, whatever its size);
       - or its sample is stale (or missing) and the local counts say it is full: the tokens
         rule above, or `stale_max_in_flight` requests in flight when set.
     Headroom (`over(..., headroom=h, headroom_tokens=t)`, h or t > 0: a request that must leave
@@ -108,7 +102,7 @@ class Saturation:
         return self.room or self.max_waiting is not None or self.max_kv is not None
 
     def over(self, s: Signals, cost: int = 0, headroom: int = 0, headroom_tokens: int | None = None,
-             output: int | None = None, eager: bool = False) -> bool:
+             output: int | None = None) -> bool:
         if self.room:
             limit = s.limit
             capacity = s.capacity
@@ -123,13 +117,8 @@ class Saturation:
             if headroom_tokens and capacity > 0:
                 # At most half the cache is kept: the others' share never goes to nothing.
                 capacity -= min(float(headroom_tokens), capacity / 2)
-            if s.in_flight and capacity > 0:
-                if eager and s.fresh:
-                    prompt = cost - output if output is not None else cost
-                    if s.committed > capacity or s.kv * s.capacity + s.new_tokens + prompt > capacity:
-                        return True
-                elif held_tokens(s, output) + cost > capacity:
-                    return True
+            if s.in_flight and capacity > 0 and held_tokens(s, output) + cost > capacity:
+                return True
             if s.fresh:
                 kv = s.kv
                 if s.gone_tokens and s.capacity > 0:  # what finished since the sample freed its KV

@@ -128,14 +128,14 @@ class Scheduler:
         stale_after = self._ledger.stale_after
         saturation = self.saturation
         cost = request.cost
-        headroom, reserve, output, eager = request.headroom, request.headroom_tokens, request.output, request.eager
+        headroom, reserve, output = request.headroom, request.headroom_tokens, request.output
         rand = self._rng.random
         signals = [loads.get(ep, NO_LOAD).signals(now, stale_after) for ep in endpoints]
         keep, mixes = self._mixes(request, endpoints, signals) if self._request_scorers else (1.0, [])
         keyed = []
         for i, ep in enumerate(endpoints):
             s = signals[i]
-            over = saturation.over(s, cost, headroom, reserve, output, eager) if saturation is not None else False
+            over = saturation.over(s, cost, headroom, reserve, output) if saturation is not None else False
             value = score(s)
             if mixes:  # some request scorer has an opinion on this request
                 value = keep * value
@@ -234,8 +234,7 @@ class Scheduler:
         ordered = self.policy.order(request.model, candidates, len(candidates))
         now = self._clock.monotonic()
         over = {ep for ep in ordered if saturation.over(self._ledger.signals(ep, now), request.cost,
-                                                            request.headroom, request.headroom_tokens, request.output,
-                                                            request.eager)}
+                                                            request.headroom, request.headroom_tokens, request.output)}
         if len(over) == len(ordered):
             return None
         return ([ep for ep in ordered if ep not in over] + [ep for ep in ordered if ep in over])[:count]

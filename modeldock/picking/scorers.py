@@ -42,8 +42,6 @@ class PickRequest:
     prefer_fast: bool = False
     # Its output limit (max_tokens), the part of `cost` that grows while it runs; None: unknown (all of it).
     output: int | None = None
-    # Nobody waits in the gateway's queue for the model: room is what the backend would admit now.
-    eager: bool = False
 
 
 class Scorer(Protocol):

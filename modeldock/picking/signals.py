@@ -124,9 +124,13 @@ class Load:
 
     def learn(self, sample: Sample, taken_at: float) -> None:
         """Capacity, batch limit and speed from a page: capacity as read; the batch limit is the
-        most requests seen running while requests waited in two pages in a row (a queue that
-        lasted, not one caught between a request's arrival and the server's next step: that
-        would learn a limit far too low), the server's max_num_seqs or its KV bound; speed from
+        most requests seen running while requests waited for a slot in two pages in a row (a
+        queue that lasted, not one caught between a request's arrival and the server's next
+        step: that would learn a limit far too low), the server's max_num_seqs. A queue waits
+        for a slot when the KV cache has room for a typical request (`_waits_for_slots`); one
+        waiting for memory is the KV bound of those requests, which the token rules follow as it
+        changes (learned as a limit, a cache full of long generations once kept the short ones
+        that came later to fewer slots for good). Running above the limit raises it. Speed from
         the token counters between two pages, only over intervals the server was busy (an idle
         server's rate says nothing about how fast it can go), smoothed (EWMA 0.3). A counter
         going backwards (a restart) starts over, the limit too."""
@@ -136,7 +140,9 @@ class Load:
         if total is not None and self.counter is not None and total < self.counter:
             self.limit = 0.0  # restarted: perhaps with another max_num_seqs
         before = self.sample
-        if sample.waiting > 0 and before is not None and before.waiting > 0 and sample.running > self.limit:
+        if sample.running > self.limit and (
+            self.limit > 0 or (before is not None and self._waits_for_slots(sample) and self._waits_for_slots(before))
+        ):
             self.limit = sample.running
         if total is None:
             return
@@ -154,6 +160,16 @@ class Load:
         # spell, which would shed too much when a queue forms.
         if sample.waiting > 0 and before is not None and before.waiting > 0:
             self.drain = rate if self.drain <= 0 else 0.7 * self.drain + 0.3 * rate
+
+    def _waits_for_slots(self, sample: Sample) -> bool:
+        """Requests wait while the KV cache has room for the largest of this gateway's requests
+        here (for 10% of the cache when it holds none or the capacity is unknown)."""
+        if sample.waiting <= 0:
+            return False
+        free = 1.0 - sample.kv
+        if self.capacity > 0 and self.leases:
+            return free * self.capacity >= max(self.leases.values())
+        return free >= 0.1
 
     def rebase(self, mark: int, in_flight_at: int | None) -> None:
         """A new sample reflecting the picks up to `mark`; `in_flight_at` requests

@@ -97,3 +97,26 @@ def test_a_restart_forgets_the_limit(make_picker: MakePicker, clock: FakeClock) 
     assert picker.ledger.load(a).limit == 4
     _see(picker, clock, a, waiting=0, running=0, total=10)  # the counter went back: restarted
     assert picker.ledger.load(a).limit == 0
+
+
+def test_a_queue_waiting_for_memory_teaches_no_batch_limit(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    for kv in (0.95, 0.97):  # two long generations fill the cache; the next request waits for memory
+        picker.observe(a, Sample(waiting=1, running=2, kv=kv, capacity=1000.0), clock.monotonic())
+    assert picker.ledger.load(a).limit == 0  # a slot limit of 2 would hold short requests later for good
+    picker.observe(a, Sample(waiting=1, running=3, kv=0.4, capacity=1000.0), clock.monotonic())
+    picker.observe(a, Sample(waiting=2, running=3, kv=0.5, capacity=1000.0), clock.monotonic())
+    assert picker.ledger.load(a).limit == 3  # waiting with room in the cache: the slots are full
+
+
+def test_running_above_the_learned_limit_raises_it(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _see(picker, clock, a, waiting=1, running=2)
+    _see(picker, clock, a, waiting=1, running=2)
+    assert picker.ledger.load(a).limit == 2
+    _see(picker, clock, a, waiting=0, running=3)  # another gateway's requests: three fit after all
+    assert picker.ledger.load(a).limit == 3

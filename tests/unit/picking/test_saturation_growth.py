@@ -73,16 +73,3 @@ def test_admitted_requests_never_push_the_batch_past_capacity(
                 total += p + done + step
         assert total <= CAPACITY
 
-
-def test_eager_asks_what_the_backend_admits_now_while_the_commitments_are_not_over() -> None:
-    s = _signals(kv=0.5, committed=1500)  # 900 held, 1500 committed
-    assert ROOM.over(s, cost=700, output=256)  # the whole of it would not fit while the others grow
-    assert not ROOM.over(s, cost=700, output=256, eager=True)  # its prompt (444) fits the free KV now
-    assert ROOM.over(s, cost=1200, output=256, eager=True)  # a prompt of 944 does not
-    assert ROOM.over(_signals(kv=0.5, committed=1801), cost=100, output=32, eager=True)  # already over: no more
-    assert ROOM.over(_signals(kv=0.5, committed=1500, new_tokens=500), cost=700, output=256, eager=True)
-
-
-def test_eager_needs_a_fresh_sample() -> None:
-    s = _signals(fresh=False, committed=1500)
-    assert ROOM.over(s, cost=700, output=256, eager=True)  # stale: the committed limits decide
