@@ -8,14 +8,16 @@ binary, the real simulator and the openai SDK as the client:
   simulator's header); the default list does not match it;
 - `sse_to_metadata` (JSON content parser) copies `usage.*` from the final SSE chunk;
 - both land in the gRPC access log entry (`common_properties.metadata`) the ext_proc already
-  hears, a few ms after the response ends; a stream without usage, or one the client cut,
-  has no usage there;
+  hears, a few ms after the response ends (with the gateway's buffering, `USAGE_LOG_BUFFER`:
+  entries of requests ending within its flush interval share one message); a stream without
+  usage, or one the client cut, has no usage there;
 - a Lua response filter drops the usage chunk the client did not ask for, after
   `sse_to_metadata` has read it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
@@ -31,7 +33,7 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from google.protobuf import json_format
 
-from modeldock.envoy import envoy_binary
+from modeldock.envoy import USAGE_LOG_BUFFER, envoy_binary
 from modeldock.up import Supervisor, free_port
 from tests.support.access_log import AccessLogCollector
 from tests.support.stack import Sim, start_sims, wait_until
@@ -113,7 +115,7 @@ def bootstrap(listen: int, admin: int, als: int, sim: int) -> dict[str, Any]:
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {"log_name": "usage", "transport_api_version": "V3",
                               "grpc_service": {"envoy_grpc": {"cluster_name": "als"}},
-                              "buffer_size_bytes": 0, "buffer_flush_interval": "0.005s"}}}],
+                              **USAGE_LOG_BUFFER}}}],
         "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
             {"match": {"prefix": "/dead/"}, "route": {"cluster": "dead", "prefix_rewrite": "/"}},
             {"match": {"prefix": "/"}, "route": {"cluster": "sim", "timeout": "0s"}}]}]},
@@ -212,8 +214,24 @@ async def test_final_sse_chunk_usage_reaches_the_access_log_after_the_stream_end
     assert usage is not None and chunks[-1].choices == []
     entry, at = await rig.entry(request_id)
     assert metadata(entry) == {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
-    # Measured 1-10 ms; the bound leaves room for a loaded machine.
+    # Measured 1-10 ms unbuffered, up to the 20 ms flush interval buffered; the bound leaves room
+    # for a loaded machine.
     assert at - ended < 1.0
+
+
+async def test_entries_of_requests_ending_together_share_one_message(rig: Rig) -> None:
+    ids = [rid() for _ in range(8)]
+
+    async def ask(request_id: str) -> float:
+        await rig.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=2,
+            extra_headers={"x-request-id": request_id})
+        return time.monotonic()
+
+    ended = await asyncio.gather(*(ask(i) for i in ids))
+    heard = [await rig.logs.wait_for(lambda e, i=i: e.request.request_id == i) for i in ids]  # type: ignore[misc]
+    assert len({h.message for h in heard}) < len(ids)  # batched: fewer messages than entries
+    assert all(h.at - end < 1.0 for h, end in zip(heard, ended, strict=True))  # each still within the flush
 
 
 async def test_lua_drops_the_usage_chunk_the_client_did_not_ask_for(rig: Rig) -> None:

@@ -23,11 +23,13 @@ SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 class Heard:
     entry: accesslog_pb2.HTTPAccessLogEntry
     at: float  # time.monotonic() when it arrived
+    message: int = 0  # the number of the message it came in (entries Envoy batched share one)
 
 
 class AccessLogCollector:
     def __init__(self) -> None:
         self.heard: list[Heard] = []
+        self.messages = 0
         self._changed = asyncio.Event()
 
     async def _stream(
@@ -35,8 +37,9 @@ class AccessLogCollector:
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in messages:
             now = time.monotonic()
+            self.messages += 1
             for entry in message.http_logs.log_entry:
-                self.heard.append(Heard(entry, now))
+                self.heard.append(Heard(entry, now, self.messages))
             self._changed.set()
         return als_pb2.StreamAccessLogsResponse()
 
