@@ -98,13 +98,39 @@ def test_a_queued_request_is_served_once_room_frees_and_streams_chunk_by_chunk(s
 
 
 @pytest.mark.timeout(60)
+def test_a_short_request_joins_a_long_generation_whose_limit_leaves_no_room_for_both(stack: Stack) -> None:
+    # 205 + 65 committed > 256, but while the short one produces its 60 tokens the long one grows by
+    # at most 60: the batch never outgrows the cache, so it is sent at once, not queued.
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    dispatched = stack.metric("modeldock_queue_dispatched_total")
+    preempted = stack.metric("vllm:num_preemptions_total", port=stack.sims[0].port)
+    first = Stream(stack, 200)
+    first.start()
+    wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
+    wait_until(lambda: len(first.times) >= 5, 10, what="the long one streaming")
+    time.sleep(0.5)  # a fresh sample shows it running (scrape every 0.2 s)
+    short = Stream(stack, 60)
+    short.start()
+    short.join(20)
+    assert short.error is None and len(short.times) >= 50
+    assert first.is_alive()  # served beside the long one, not after it
+    assert stack.metric("modeldock_queue_dispatched_total") == dispatched  # never queued
+    first.join(20)
+    assert first.error is None
+    assert stack.metric("vllm:num_preemptions_total", port=stack.sims[0].port) == preempted  # nothing preempted
+    wait_until(lambda: _idle(stack), 10, what="every count back to 0")
+
+
+@pytest.mark.timeout(60)
 def test_a_client_that_leaves_while_queued_is_dropped_at_once(stack: Stack) -> None:
     wait_until(lambda: _idle(stack), 10, what="idle gateway")
     cancelled = stack.metric("modeldock_queue_cancelled_total")
     first = Stream(stack, 200)  # ~2.4 s of generation
     first.start()
     wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
-    leaver = Stream(stack, 100, timeout=0.6)  # gives up while queued
+    # ~205 tokens: while it runs the first can grow by that much too, 410 > 256: it waits (a short one
+    # would go on: the first cannot grow past the cache before it is done).
+    leaver = Stream(stack, 199, timeout=0.6)  # gives up while queued
     leaver.start()
     leaver.join(10)
     assert isinstance(leaver.error, openai.APITimeoutError)
@@ -117,7 +143,7 @@ def test_a_client_that_leaves_while_queued_is_dropped_at_once(stack: Stack) -> N
     assert first.error is None
     wait_until(lambda: _idle(stack), 10, what="every count back to 0")
     backend = stack.sims[0].requests()
-    assert backend and not any((r["body"] or {}).get("max_tokens") == 100 for r in backend)  # never sent
+    assert backend and not any((r["body"] or {}).get("max_tokens") == 199 for r in backend)  # never sent
 
 
 @pytest.mark.timeout(60)
@@ -129,7 +155,7 @@ def test_ttl_expiry_gives_the_json_429_with_retry_after(stack: Stack) -> None:
     client = stack.openai()
     started = time.monotonic()
     with pytest.raises(openai.RateLimitError) as caught:
-        client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=100)
+        client.chat.completions.create(model="demo-model", messages=MSG, max_tokens=199)
     waited = time.monotonic() - started
     assert TTL <= waited < TTL + 1.0
     error = caught.value
