@@ -59,7 +59,7 @@ Pair = Callable[[], Awaitable[None]]
 
 
 def reserve_args(rid: str) -> list[int | str]:
-    return [rid, 10, "", 60_000_000, 10**12, 86_400_000_000, 10**12]
+    return [rid, 10, "", 10, 60_000_000, 10**12, 86_400_000_000, 10**12]  # id, cost, now, want, windows
 
 
 def settle_args(rid: str) -> list[int | str]:
@@ -230,9 +230,12 @@ async def main() -> None:
         f"{opts.rounds} rounds. Parser: {'hiredis' if HIREDIS_AVAILABLE else 'python'}. The variants are described "
         f"in the script's docstring; `budgets-*` rows are per request through `TokenBudgets` (reserve + settle).\n\n"
         + table(["variant", "c=1", "c=16", "c=1 vs script-blocking"], rows)
-        + "\n\nReading: `script-blocking` is the shape before batching (one redis-py Script call per script); "
-          "`batcher` is what token budgets use now; `ping-floor` is one bare round trip, the floor of any shape "
-          "that must wait for Redis on the request path."
+        + "\n\nReading: `budgets-redis` is what a request with budgets in Redis costs now: token leases admit it "
+          "from a block reserved in Redis, so it makes no round trip of its own (the lease's reserve and "
+          "settlements are shared by the requests it admits). `budgets-redis-exact` is the same without "
+          "leases (`limits.token_lease_ms: 0`): one batched reserve round trip per request (`batcher`); "
+          "`script-blocking` is the shape before batching (one redis-py Script call per script); `ping-floor` is "
+          "one bare round trip, the floor of any shape that waits for Redis on the request path."
     )
     write_section("redis-calls", "Token-budget Redis calls by shape (client CPU)",
                   ".venv/bin/python benchmarks/redis_calls.py", body)
