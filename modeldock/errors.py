@@ -81,3 +81,12 @@ class Unavailable(Rejection):
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+def limiter_unavailable() -> Unavailable:
+    """The shared rate-limit store (Redis) did not answer and the limits fail closed."""
+    return Unavailable(
+        "Rate limiting is unavailable right now, so the request was not admitted. Retry shortly.",
+        code="rate_limiter_unavailable",
+        headers={"Retry-After": "1"},
+    )

@@ -34,7 +34,7 @@ from modeldock.admission.tokens import Usage
 from modeldock.admission.window import Decision, binding
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
-from modeldock.errors import RateLimited, Unavailable
+from modeldock.errors import RateLimited, limiter_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -257,11 +257,7 @@ class TokenBudgets:
                 self.decisions["unavailable"] += 1
                 if self._warn.ready():
                     log.warning("Redis token budgets failed (%s); rejecting requests with 503", exc)
-                raise Unavailable(
-                    "Rate limiting is unavailable right now, so the request was not admitted. Retry shortly.",
-                    code="rate_limiter_unavailable",
-                    headers={"Retry-After": "1"},
-                ) from None
+                raise limiter_unavailable() from None
             self.fail_open_passes += 1
             if self._warn.ready():
                 log.warning("Redis token budgets failed (%s); admitting on local budgets (fail open)", exc)

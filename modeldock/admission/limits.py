@@ -25,7 +25,7 @@ from modeldock.admission.redis_window import RedisUnavailable, RedisWindow, make
 from modeldock.admission.window import WINDOW_SECONDS, Decision, SlidingWindow, binding
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
-from modeldock.errors import RateLimited, Unavailable
+from modeldock.errors import RateLimited, limiter_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +178,7 @@ class Admission:
             self.metrics.decision("unavailable")
             if self._fail_closed_log.ready():
                 log.warning("Redis rate limiting failed (%s); rejecting requests with 503", exc)
-            raise Unavailable(
-                "Rate limiting is unavailable right now, so the request was not admitted. Retry shortly.",
-                code="rate_limiter_unavailable",
-                headers={"Retry-After": "1"},
-            ) from None
+            raise limiter_unavailable() from None
         except BaseException:
             self._undo_local(limits, first)
             raise
