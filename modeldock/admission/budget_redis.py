@@ -165,9 +165,6 @@ class RedisTokenWindow:
     def batch(self) -> RedisBatch:
         return self._batch
 
-    async def try_reserve_all(self, entry_id: str, cost: int, limits: Sequence[BudgetLimit]) -> list[Decision]:
-        return (await self.reserve_up_to(entry_id, cost, cost, limits))[0]
-
     async def reserve_up_to(
         self, entry_id: str, cost: int, want: int, limits: Sequence[BudgetLimit]
     ) -> tuple[list[Decision], int]:

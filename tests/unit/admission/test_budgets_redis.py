@@ -126,8 +126,9 @@ async def test_a_resent_reserve_or_settle_counts_once(redis_server: RedisServer)
     window = RedisTokenWindow(lambda: make_redis_client(redis_server.url, 1.0), timeout_s=1.0)
     limits = [(MINUTE, 100, 60.0), ("modeldock:tb:{acme}:day", 1000, 86400.0)]
     try:
-        assert (await window.try_reserve_all("id-1", 70, limits))[0].allowed
-        again = await window.try_reserve_all("id-1", 70, limits)  # e.g. redis-py's retry after a reset
+        first, _ = await window.reserve_up_to("id-1", 70, 70, limits)  # one request's shape: want = cost
+        assert first[0].allowed
+        again, _ = await window.reserve_up_to("id-1", 70, 70, limits)  # e.g. redis-py's retry after a reset
         assert again[0].allowed and again[0].remaining == 30
         assert await redis_total(redis_server) == 70
         keys = [(k, w) for k, _, w in limits]
