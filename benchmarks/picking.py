@@ -1,6 +1,9 @@
-"""Microbenchmark: µs per parsed vLLM page and per pick (+ release), per policy.
+"""Microbenchmark: µs per parsed vLLM page and per pick (+ release), per policy; and the room rule's
+tokens check with the request's output limit known (the growth bound, `saturation.held_tokens`) against
+unknown (the committed tokens alone), side by side.
 
-    .venv/bin/python benchmarks/picking.py
+    .venv/bin/python benchmarks/picking.py            # prints
+    .venv/bin/python benchmarks/picking.py --write    # also writes the `picking-room` section of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._report import table, write_section  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
 from modeldock.picking.ledger import Lease  # noqa: E402
 from modeldock.types import Endpoint  # noqa: E402
@@ -56,6 +60,49 @@ def time_pick(endpoints: int = 8, policy: str = "default", rounds: int = 20000, 
     return elapsed / rounds * 1e6
 
 
+def time_room_pick(endpoints: int, output: int | None, rounds: int = 20000) -> float:
+    """Mean µs for one pick plus one release with saturation by room on: every endpoint's KV capacity
+    and speed known and its sample fresh (so the tokens rule runs in full), nothing saturated."""
+    from modeldock.picking.picker import Picker
+    from modeldock.picking.saturation import Saturation
+    from modeldock.picking.signals import Sample
+
+    clock = SystemClock()
+    picker = Picker(clock, rng=random.Random(1), saturation=Saturation(room=True))
+    eps = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(endpoints)]
+    picker.set_endpoints("m", eps)
+    now = clock.monotonic()
+    for i, ep in enumerate(eps):
+        for at, total in ((now - 1.0, 0.0), (now, 5000.0)):  # two pages: the speed is learned
+            picker.observe(ep, Sample(waiting=0, running=2 + i % 3, kv=0.1 * (i % 5), capacity=10.0**9,
+                                      tokens_total=total), at)
+    leases: list[Lease] = []
+    start = time.perf_counter()
+    for _ in range(rounds):
+        leases.append(picker.pick("m", cost=300, output=output).lease)
+        if len(leases) > 64:
+            leases.pop(0).release()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
+def room_section(rounds: int = 3) -> str:
+    rows = []
+    for n in (8, 64):
+        unknown, known = [], []
+        for _ in range(rounds):  # alternating, best of: noise only adds
+            unknown.append(time_room_pick(n, None))
+            known.append(time_room_pick(n, 32))
+        a, b = min(unknown), min(known)
+        rows.append([str(n), f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}x"])
+    return (
+        "µs per pick + release with saturation by room (`default` policy, capacity and speed known, fresh samples, "
+        "64 requests in flight), the request's output limit unknown (the tokens rule reads the committed tokens) "
+        f"against known (it also bounds what the others grow while it runs, `saturation.held_tokens`); best of "
+        f"{rounds} alternating rounds.\n\n"
+        + table(["endpoints", "output unknown", "output known", "known / unknown"], rows)
+    )
+
+
 def main() -> None:
     page = vllm_metrics_page()
     print(f"page: {len(page.encode()) / 1024:.1f} KiB, {page.count(chr(10))} lines")
@@ -65,6 +112,11 @@ def main() -> None:
             with_metrics = time_pick(n, policy)
             bare = time_pick(n, policy, metrics=False)
             print(f"pick+release {policy:>13} n={n:<3}: {with_metrics:5.2f} µs ({bare:5.2f} µs without metrics)")
+    body = room_section()
+    print(body)
+    if "--write" in sys.argv[1:]:
+        write_section("picking-room", "Picking: the tokens rule with the output limit known",
+                      ".venv/bin/python benchmarks/picking.py --write", body)
 
 
 if __name__ == "__main__":
