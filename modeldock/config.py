@@ -140,6 +140,9 @@ class ModelConfig(_Strict):
     kubernetes: KubernetesTarget | None = None
     protocol: Literal["http1", "http2"] = "http1"
     upstream_auth: UpstreamAuthConfig | None = None  # the credential sent to the backends
+    # The backends' batch limit (vLLM --max-num-seqs), for the room rules from the start; without
+    # it the limit is learned when a backend queues for a slot, which one kept from queueing never does.
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("name", "served_name")
     @classmethod

@@ -154,7 +154,8 @@ class Gateway:
     def on_endpoints(self, model: str, endpoints: tuple[Endpoint, ...]) -> None:
         config = self._models.get(model)
         # vLLM labels its metrics with the name it serves, which an alias may hide.
-        self.picker.set_endpoints(model, endpoints, served_name=config.upstream_name if config else None)
+        self.picker.set_endpoints(model, endpoints, served_name=config.upstream_name if config else None,
+                                  max_num_seqs=config.max_num_seqs if config else None)
 
     def on_status(self, stale_models: frozenset[str]) -> None:
         self.stale_models = stale_models

@@ -74,6 +74,8 @@ class Ledger:
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self._members: dict[str, frozenset[Endpoint]] = {}
         self._served: dict[str, str] = {}
+        self._limits: dict[str, int] = {}  # model -> its backends' declared batch limit (max_num_seqs)
+        self._declared: dict[Endpoint, int] = {}  # endpoint -> the largest declared limit of its models
         self.live: frozenset[Endpoint] = frozenset()
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
         self._listeners: list[Callable[[str], None]] = []
@@ -92,16 +94,29 @@ class Ledger:
     # -- endpoints -------------------------------------------------------
 
     def set_endpoints(
-        self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None
+        self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None,
+        max_num_seqs: int | None = None,
     ) -> frozenset[Endpoint]:
-        """Replace a model's candidates; the endpoints no model lists any more."""
+        """Replace a model's candidates; the endpoints no model lists any more. `max_num_seqs`:
+        the batch limit of the model's backends, when the config declares it (else learned)."""
         self._endpoints[model] = tuple(dict.fromkeys(endpoints))
         self._members[model] = frozenset(self._endpoints[model])
         self._served[model] = served_name or model
+        if max_num_seqs:
+            self._limits[model] = max_num_seqs
+        else:
+            self._limits.pop(model, None)
         before = self.live
         self.live = frozenset(ep for eps in self._endpoints.values() for ep in eps)
         for ep in [ep for ep, load in self.loads.items() if ep not in self.live and load.in_flight == 0]:
             del self.loads[ep]
+        declared: dict[Endpoint, int] = {}
+        for name, limit in self._limits.items():
+            for ep in self._endpoints.get(name, ()):
+                declared[ep] = max(limit, declared.get(ep, 0))
+        self._declared = declared
+        for ep, load in self.loads.items():
+            load.declare(declared.get(ep, 0))
         return before - self.live
 
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
@@ -130,7 +145,7 @@ class Ledger:
         if load is None:
             if endpoint not in self.live:
                 return  # left the snapshot while it was being scraped
-            load = self.loads[endpoint] = Load()
+            load = self.loads[endpoint] = self._new_load(endpoint)
         if taken_at < load.taken_at:
             return  # an older result than the one we hold
         load.learn(sample, taken_at)
@@ -148,7 +163,7 @@ class Ledger:
         if load is None:
             if endpoint not in self.live:
                 return
-            load = self.loads[endpoint] = Load()
+            load = self.loads[endpoint] = self._new_load(endpoint)
         load.failures += 1
 
     def load(self, endpoint: Endpoint) -> Load:
@@ -182,10 +197,15 @@ class Ledger:
     def _add(self, endpoint: Endpoint, tokens: int = 0) -> int:
         load = self.loads.get(endpoint)
         if load is None:
-            load = self.loads[endpoint] = Load()
+            load = self.loads[endpoint] = self._new_load(endpoint)
         self._seq += 1
         load.add(self._seq, tokens)
         return self._seq
+
+    def _new_load(self, endpoint: Endpoint) -> Load:
+        load = Load()
+        load.declare(self._declared.get(endpoint, 0))
+        return load
 
     def in_flight(self, endpoint: Endpoint) -> int:
         load = self.loads.get(endpoint)

@@ -132,10 +132,12 @@ class Picker:
 
     # -- endpoints and samples (the ledger's) -----------------------------
 
-    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None) -> None:
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint], served_name: str | None = None,
+                      max_num_seqs: int | None = None) -> None:
         """Replace a model's candidates. `served_name` is the name the backend
-        reports in its metrics' model_name label (default: `model`)."""
-        self._scheduler.forget(self._ledger.set_endpoints(model, endpoints, served_name))
+        reports in its metrics' model_name label (default: `model`); `max_num_seqs`
+        its backends' batch limit when the config declares it (else learned)."""
+        self._scheduler.forget(self._ledger.set_endpoints(model, endpoints, served_name, max_num_seqs))
 
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
         return self._ledger.endpoints(model)

@@ -74,8 +74,8 @@ class Load:
     below it was in the sample (`gone` once it finishes).
     """
 
-    __slots__ = ("capacity", "committed", "counted_at", "counter", "failures", "gone", "gone_tokens", "last_pick",
-                 "leases",
+    __slots__ = ("capacity", "committed", "counted_at", "counter", "declared", "failures", "gone", "gone_tokens",
+                 "last_pick", "leases",
                  "drain", "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
@@ -85,6 +85,7 @@ class Load:
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
         self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
+        self.declared = 0.0  # the batch limit the config gives (models[].max_num_seqs; 0: none, learn it)
         self.drain = 0.0  # tokens/second while full (requests waiting at both pages), smoothed (0: unknown)
         self.counter: float | None = None  # the last token counter reading and when it was taken
         self.counted_at = 0.0
@@ -133,12 +134,14 @@ class Load:
         that came later to fewer slots for good). Running above the limit raises it. Speed from
         the token counters between two pages, only over intervals the server was busy (an idle
         server's rate says nothing about how fast it can go), smoothed (EWMA 0.3). A counter
-        going backwards (a restart) starts over, the limit too."""
+        going backwards (a restart) starts over, the limit too (back to the declared one).
+        A declared limit (`declare`, the config's max_num_seqs) stands in for the learning: a
+        backend the gateway keeps from queueing may never show its limit."""
         if sample.capacity is not None:
             self.capacity = sample.capacity
         total = sample.tokens_total
         if total is not None and self.counter is not None and total < self.counter:
-            self.limit = 0.0  # restarted: perhaps with another max_num_seqs
+            self.limit = self.declared  # restarted: perhaps with another max_num_seqs
         before = self.sample
         if sample.running > self.limit and (
             self.limit > 0 or (before is not None and self._waits_for_slots(sample) and self._waits_for_slots(before))
@@ -160,6 +163,12 @@ class Load:
         # spell, which would shed too much when a queue forms.
         if sample.waiting > 0 and before is not None and before.waiting > 0:
             self.drain = rate if self.drain <= 0 else 0.7 * self.drain + 0.3 * rate
+
+    def declare(self, limit: float) -> None:
+        """The batch limit from the config (0: none): the limit from now on, until running above
+        it raises it; a backend may still be learned from while none is declared."""
+        if limit != self.declared:
+            self.declared = self.limit = limit
 
     def _waits_for_slots(self, sample: Sample) -> bool:
         """Requests wait while the KV cache has room for the largest of this gateway's requests

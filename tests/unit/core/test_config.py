@@ -34,6 +34,7 @@ def test_good_config_loads(tmp_path: Path) -> None:
         (lambda c: c["models"].append(dict(c["models"][0])), "(top level)", "appears twice"),
         (lambda c: c["models"][0].update(kubernetes={"namespace": "n", "service": "s", "port": 80}),
          "models[0]", "exactly one of"),
+        (lambda c: c["models"][0].update(max_num_seqs=0), "models[0].max_num_seqs", "greater than or equal to 1"),
     ],
 )
 def test_bad_config_names_file_field_and_reason(edit, where: str, reason: str) -> None:

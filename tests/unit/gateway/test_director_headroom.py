@@ -194,3 +194,15 @@ async def test_only_a_protected_request_in_contention_prefers_a_fast_endpoint() 
     (await off.route("ivy")).release()
     (await off.route("bat")).release()
     assert not off.gateway._prefer_fast("m", "ivy", 2, {})  # headroom off: nothing is protected
+
+
+def test_the_models_declared_batch_limit_reaches_the_picker() -> None:
+    clock = FakeClock()
+    data = _config({})
+    data["models"][0]["max_num_seqs"] = 3
+    config = parse_config(data)
+    picker = Picker(clock, fallbacks=0, saturation=Saturation(room=True))
+    gateway = Gateway(config, clock, picker, Admission(config, clock))
+    gateway.on_endpoints("m", (EP, OTHER))
+    picker.observe(EP, Sample(0.0, 0.0, 0.1), clock.monotonic())  # no queue ever seen
+    assert picker.ledger.load(EP).limit == 3

@@ -120,3 +120,49 @@ def test_running_above_the_learned_limit_raises_it(make_picker: MakePicker, cloc
     assert picker.ledger.load(a).limit == 2
     _see(picker, clock, a, waiting=0, running=3)  # another gateway's requests: three fit after all
     assert picker.ledger.load(a).limit == 3
+
+
+def test_a_declared_batch_limit_holds_from_the_first_pick(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a, b], max_num_seqs=2)  # no page yet, no queue ever seen
+    leases = {picker.pick("m").lease for _ in range(4)}  # two per endpoint
+    assert {lease.endpoint for lease in leases} == {a, b}
+    with pytest.raises(Saturated):
+        picker.pick("m")
+    leases.pop().release()
+    picker.pick("m")  # the freed slot, and only it
+    with pytest.raises(Saturated):
+        picker.pick("m")
+    # From a fresh page too; headroom keeps the declared limit's last slot for protected requests.
+    for lease in leases:
+        lease.release()
+    _see(picker, clock, a, waiting=0, running=1)
+    _see(picker, clock, b, waiting=0, running=2)
+    with pytest.raises(Saturated):
+        picker.pick("m", headroom=1)
+    assert picker.pick("m").primary == a
+
+
+def test_a_restart_returns_to_the_declared_limit(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a], max_num_seqs=3)
+    _see(picker, clock, a, waiting=0, running=5, total=500)  # another gateway's requests: five run
+    assert picker.ledger.load(a).limit == 5
+    _see(picker, clock, a, waiting=0, running=0, total=10)  # restarted
+    assert picker.ledger.load(a).limit == 3
+
+
+def test_the_declared_limit_follows_the_config(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker(saturation=Saturation(room=True))
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a], max_num_seqs=4)
+    picker.set_endpoints("n", [a, b], max_num_seqs=6)  # shared by two models: the larger one
+    _see(picker, clock, a, waiting=0, running=0)
+    _see(picker, clock, b, waiting=0, running=0)
+    assert picker.ledger.load(a).limit == 6 and picker.ledger.load(b).limit == 6
+    picker.set_endpoints("n", [b])
+    assert picker.ledger.load(a).limit == 4
+    picker.set_endpoints("m", [a])  # no longer declared: learned again from nothing
+    assert picker.ledger.load(a).limit == 0
