@@ -49,12 +49,15 @@ class GatewayConfig:
     """One contender: what it adds to the generated config.
 
     `routing` is merged into `routing:`, `extra` is added at the top level (e.g. `{"queue": {...}}`),
-    and `tenant_fields` writes each tenant's weight and class into its tenant entry."""
+    `model` into the model's entry (a null value removes a key the pool gives it, e.g.
+    `{"max_num_seqs": null}`: learn the batch limit), and `tenant_fields` writes each tenant's weight
+    and class into its tenant entry."""
 
     name: str
     description: str
     routing: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
     tenant_fields: bool = False
 
 
@@ -83,15 +86,16 @@ def parse_config_arg(spec: str, known: Sequence[GatewayConfig]) -> GatewayConfig
     if not sep or not name:
         raise ValueError(f"expected NAME=JSON, got {spec!r}")
     data = json.loads(raw) if raw.strip() else {}
-    if not isinstance(data, dict) or set(data) - {"description", "routing", "extra", "tenant_fields"}:
-        raise ValueError("the JSON must be an object with description, routing, extra or tenant_fields")
+    if not isinstance(data, dict) or set(data) - {"description", "routing", "extra", "model", "tenant_fields"}:
+        raise ValueError("the JSON must be an object with description, routing, extra, model or tenant_fields")
     base = next((c for c in known if c.name == name), GatewayConfig(name, name))
     return replace(base, **data)
 
 
 def gateway_config(cfg: GatewayConfig, tenants: Iterable[Tenant], endpoints: Sequence[str],
-                   model: str = MODEL) -> dict[str, Any]:
-    """The whole YAML config (as a dict) for one contender: every tenant with its own key."""
+                   model: str = MODEL, pool: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole YAML config (as a dict) for one contender: every tenant with its own key. `pool`:
+    what every contender's model entry says of the backends (their `max_num_seqs`)."""
     entries = []
     for t in tenants:
         entry: dict[str, Any] = {"id": t.id, "api_key_hashes": [hash_key(t.key)], "models": ["demo-*"]}
@@ -99,7 +103,8 @@ def gateway_config(cfg: GatewayConfig, tenants: Iterable[Tenant], endpoints: Seq
             entry[TENANT_FIELDS["weight"]] = t.weight
             entry[TENANT_FIELDS["klass"]] = t.klass
         entries.append(entry)
-    data: dict[str, Any] = {"tenants": entries, "models": [{"name": model, "endpoints": list(endpoints)}]}
+    entry = {"name": model, "endpoints": list(endpoints), **(pool or {}), **cfg.model}
+    data: dict[str, Any] = {"tenants": entries, "models": [{k: v for k, v in entry.items() if v is not None}]}
     if cfg.routing:
         data["routing"] = json.loads(json.dumps(cfg.routing))  # a copy the stack may not share
     for key, value in cfg.extra.items():

@@ -21,6 +21,14 @@ TARGET_CONFIG = "queue"
 BASELINE = "noqueue"
 
 
+def declared(a: dict[str, Any]) -> str:
+    """What the model entry told the gateway of the backends (older results have no flag: declared nothing)."""
+    if a.get("learn_limit", True):
+        return "The model entry does not declare the backends' batch limit: the gateway learns it when one queues."
+    return (f"Every config's model entry declares the backends' `max_num_seqs: {a['max_num_seqs']}` (what a deployment "
+            "starting vLLM with `--max-num-seqs` knows); only the room rules read it.")
+
+
 def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
@@ -72,6 +80,7 @@ def section_setup(saved: dict[str, Any]) -> str:
 {a['backends']} simulated backends, `--max-num-seqs {a['max_num_seqs']}`, `--num-gpu-blocks {a['num_gpu_blocks']}`
 ({a['num_gpu_blocks'] * 16:,} tokens of KV each), `--speed {a['speed']:g}`; the last backend is set to
 {a['speed'] * a['slow_factor']:g} with `POST /sim/speed` (a {a['slow_factor']:g}x-speed backend among normal ones).
+{declared(a)}
 Requests: {1 - mix['long_fraction']:.0%} short answers ({mix['short_tokens']} tokens), {mix['long_fraction']:.0%} long
 generations ({mix['long_tokens']} tokens), prompts of {mix['prompt_tokens'][0]}-{mix['prompt_tokens'][1]} tokens,
 streamed. Every schedule is open loop (Poisson arrivals at a fixed rate whatever the answers) and seeded, so each config

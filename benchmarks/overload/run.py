@@ -228,13 +228,19 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
 # -- main -------------------------------------------------------------------------------------
 
 
+def pool(args: argparse.Namespace) -> dict[str, Any]:
+    """What every contender's model entry says of the backends: their batch limit, as a deployment
+    that starts vLLM with --max-num-seqs knows it (`--learn-limit`: leave it to be learned)."""
+    return {} if args.learn_limit else {"max_num_seqs": args.max_num_seqs}
+
+
 def run_config(args: argparse.Namespace, cfg: GatewayConfig, mix: Mix, cap: Capacity | None,
                run_dir: Path) -> tuple[Capacity, dict[str, Any]]:
     print(f"config {cfg.name}", flush=True)
 
     def edit(data: dict[str, Any], sims: Any) -> None:
         data.clear()
-        data.update(plan.gateway_config(cfg, plan.TENANTS, [s.address for s in sims]))
+        data.update(plan.gateway_config(cfg, plan.TENANTS, [s.address for s in sims], pool=pool(args)))
 
     with running_stack(run_dir / cfg.name, backends=args.backends, sim_args=sim_args(args), edit_config=edit,
                        log_level=args.log_level) as stack:
@@ -254,6 +260,8 @@ def main() -> int:
     p.add_argument("--speed", type=float, default=1.0, help="simulator time factor of the normal backends")
     p.add_argument("--slow-factor", type=float, default=0.5, help="the last backend's speed relative to the others")
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--learn-limit", action="store_true",
+                   help="do not declare the backends' max_num_seqs in the model entry: the gateway learns it")
     p.add_argument("--num-gpu-blocks", type=int, default=112, help="KV blocks of 16 tokens per backend")
     p.add_argument("--long-fraction", type=float, default=0.2)
     p.add_argument("--short-tokens", type=int, default=32)
@@ -315,7 +323,7 @@ def main() -> int:
         seen: list[dict[str, Any]] = []
         kept = []
         for c in configs:
-            data = plan.gateway_config(c, plan.TENANTS, ["127.0.0.1:1"])
+            data = plan.gateway_config(c, plan.TENANTS, ["127.0.0.1:1"], pool=pool(args))
             if data in seen:
                 print(f"--quick: `{c.name}` generates the same config as an earlier one; not run", flush=True)
                 continue
@@ -336,7 +344,7 @@ def main() -> int:
     saved = {
         "command": reproduce(sys.argv[1:]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "configs": [{**asdict(c), "yaml": plan.gateway_config(c, plan.TENANTS[:1], ["127.0.0.1:8001"])}
+        "configs": [{**asdict(c), "yaml": plan.gateway_config(c, plan.TENANTS[:1], ["127.0.0.1:8001"], pool=pool(args))}
                     for c in configs],
         "mix": asdict(mix), "capacity": asdict(cap), "capacity_measured_on": measured_on,
         "results": results, "elapsed_s": time.monotonic() - started,

@@ -72,6 +72,11 @@ class Band(Generic[T]):
                 best = item
         return best
 
+    def heaviest(self) -> tuple[str, float]:
+        """The tenant holding the most of the band, in tokens queued / its weight, and that
+        amount (the band must not be empty). O(tenants waiting in this band)."""
+        return max(((t, self.queued[t] / flow[0].weight) for t, flow in self.flows.items()), key=lambda x: x[1])
+
     def remove(self, item: Item[T], *, dispatched: bool) -> None:
         flow = self.flows[item.tenant]
         if flow[0] is item:

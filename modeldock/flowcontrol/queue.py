@@ -118,8 +118,11 @@ class FlowQueue(Generic[T]):
         """Queue a request, or raise RateLimited(queue_full) if it may not wait.
 
         When the queue is full, a new item of a higher class than the lowest one
-        present evicts the newest item of that lowest class; otherwise the new
-        item is refused. `max_ahead`: refuse it too when the tokens that would be
+        present evicts the newest item of that lowest class; of the same class, it
+        evicts the newest item of the tenant holding the most of that band (tokens
+        queued / weight) if that is another tenant holding more than the new item's
+        would with it (the flooding tenant is shed, not the one that arrives);
+        otherwise the new item is refused. `max_ahead`: refuse it too when the tokens that would be
         dispatched before it (`ahead`) exceed this (the caller's drain budget;
         `wait_hint` is the wait that budget stands for, for the message).
         ValueError for an unknown class or a weight <= 0.
@@ -138,11 +141,9 @@ class FlowQueue(Generic[T]):
             raise self._refuse(tenant, klass, f"the requests queued ahead for model {self.model!r} would not "
                                               f"drain{within}")
         if self._length >= self.config.max_length:
-            lowest = next(band for band in reversed(self._bands) if band.length)
-            if lowest.priority >= priority:
+            victim = self._victim(tenant, priority, cost / weight)
+            if victim is None:
                 raise self._refuse(tenant, klass, f"the queue for model {self.model!r} is full")
-            victim = lowest.newest()
-            assert victim is not None
             self._remove(victim)
             self._reject(victim, self._rejection(QUEUE_FULL, f"the queue for model {self.model!r} is full"))
         now = self._clock.monotonic()
@@ -162,6 +163,20 @@ class FlowQueue(Generic[T]):
             heapq.heapify(self._deadlines)
         self._metrics.queued(self.model, tenant, klass, 1)
         return item
+
+    def _victim(self, tenant: str, priority: int, share: float) -> Item[T] | None:
+        """What a new item of `tenant` (class `priority`, `share` = cost / weight) evicts from a
+        full queue, if anything (enqueue's rule)."""
+        lowest = next(band for band in reversed(self._bands) if band.length)
+        if lowest.priority < priority:
+            return lowest.newest()
+        if lowest.priority > priority:
+            return None
+        heaviest, held = lowest.heaviest()
+        mine = lowest.flows.get(tenant)
+        if heaviest == tenant or held <= share + (lowest.queued[tenant] / mine[0].weight if mine else 0.0):
+            return None
+        return lowest.flows[heaviest][-1]
 
     def ahead(self, tenant: str, priority: int, weight: float = 1.0) -> float:
         """Tokens queued that would be dispatched before a new item of `tenant` at `priority`:

@@ -74,6 +74,14 @@ def test_queue_fields_pass_through() -> None:
     assert cfg.extra == {"queue": {"ttl_seconds": 2}}
 
 
+def test_the_pool_declares_its_batch_limit_unless_a_contender_removes_it() -> None:
+    pool = {"max_num_seqs": 4}
+    for cfg in CONFIGS:
+        assert parse_config(gateway_config(cfg, TENANTS, ENDPOINTS, pool=pool)).model("demo-model").max_num_seqs == 4
+    learn = parse_config_arg('learn={"model": {"max_num_seqs": null}}', CONFIGS)
+    assert parse_config(gateway_config(learn, TENANTS, ENDPOINTS, pool=pool)).model("demo-model").max_num_seqs is None
+
+
 def test_config_arg_adjusts_a_known_config_or_adds_one() -> None:
     changed = parse_config_arg('queue={"extra": {"queue": {}}, "tenant_fields": true}', CONFIGS)
     assert (changed.name, changed.extra, changed.tenant_fields) == ("queue", {"queue": {}}, True)

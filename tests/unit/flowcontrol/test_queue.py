@@ -109,6 +109,26 @@ def test_full_queue_sheds_the_newest_lowest_class(idle_loop: asyncio.AbstractEve
     assert h.queue.counts.offered == 8 and h.queue.counts.rejected == 5
 
 
+def test_full_queue_sheds_the_tenant_holding_the_most_of_the_class(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, max_length=4)
+    flood = [h.queue.enqueue("a", 100) for _ in range(3)]
+    quiet = h.queue.enqueue("b", 100)
+    newcomer = h.queue.enqueue("b", 100)  # full: a holds 300 tokens, b would hold 200 -> a's newest goes
+    assert flood[2].state is State.REJECTED and flood[2].reason == "queue_full"
+    assert quiet.state is newcomer.state is State.QUEUED
+    with pytest.raises(RateLimited, match="is full"):
+        h.queue.enqueue("b", 100)  # now b would hold 300 against a's 200: b is refused itself
+    with pytest.raises(RateLimited, match="is full"):
+        h.queue.enqueue("a", 10)  # the heaviest tenant never evicts itself
+    # By tokens per weight: a tenant of weight 4 holding 400 holds less than one of weight 1 holding 200.
+    h2 = Harness(idle_loop, max_length=3)
+    heavy = [h2.queue.enqueue("w", 200, weight=4.0) for _ in range(2)]
+    light = h2.queue.enqueue("l", 200)
+    h2.queue.enqueue("w", 10, weight=4.0)  # l holds 200 against w's (400 + 10) / 4: l's newest goes
+    assert light.state is State.REJECTED and all(item.state is State.QUEUED for item in heavy)
+    assert h.queue.counts.rejected == 3 and len(h.queue) == 4
+
+
 def test_per_tenant_bound(idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop, max_per_tenant=2)
     h.queue.enqueue("a", 1)
