@@ -28,14 +28,16 @@ NO_LOAD = Load()  # read-only stand-in for endpoints never counted or sampled
 class Lease:
     """One request's claim on an endpoint of a model; released exactly once."""
 
-    __slots__ = ("_ledger", "_seq", "endpoint", "model", "released", "tokens")
+    __slots__ = ("_ledger", "_seq", "endpoint", "model", "output", "released", "tokens")
 
-    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int, tokens: int = 0) -> None:
+    def __init__(self, ledger: Ledger, model: str, endpoint: Endpoint, seq: int, tokens: int = 0,
+                 output: int = 0) -> None:
         self._ledger = ledger
         self.model = model
         self.endpoint = endpoint
         self.released = False
         self.tokens = tokens  # committed on `endpoint` while the lease holds
+        self.output = output  # the part of `tokens` that is the output limit (0: not known)
         self._seq = seq  # the ledger's sequence number for this claim
 
     def move_to(self, address: str) -> bool:
@@ -50,7 +52,7 @@ class Lease:
             return False
         if target == self.endpoint or not self._ledger.serves(self.model, target):
             return False
-        self._seq = self._ledger.move(self.endpoint, self._seq, target, self.tokens)
+        self._seq = self._ledger.move(self.endpoint, self._seq, target, self.tokens, self.output)
         self.endpoint = target
         self._ledger.room(self.model)  # the endpoint it left has room again
         return True
@@ -176,15 +178,16 @@ class Ledger:
 
     # -- claims ----------------------------------------------------------
 
-    def claim(self, model: str, endpoint: Endpoint, tokens: int = 0) -> Lease:
-        """Count one request, committing `tokens`, on `endpoint` for `model`."""
-        return Lease(self, model, endpoint, self._add(endpoint, tokens), tokens)
+    def claim(self, model: str, endpoint: Endpoint, tokens: int = 0, output: int = 0) -> Lease:
+        """Count one request, committing `tokens` (of which `output` is its output limit, when
+        known), on `endpoint` for `model`."""
+        return Lease(self, model, endpoint, self._add(endpoint, tokens, output), tokens, output)
 
-    def move(self, endpoint: Endpoint, seq: int, target: Endpoint, tokens: int = 0) -> int:
+    def move(self, endpoint: Endpoint, seq: int, target: Endpoint, tokens: int = 0, output: int = 0) -> int:
         """Move a claim and its tokens; the new claim's sequence number (new to `target`: counted
         like a pick there)."""
         self.drop(endpoint, seq)
-        return self._add(target, tokens)
+        return self._add(target, tokens, output)
 
     def drop(self, endpoint: Endpoint, seq: int) -> None:
         load = self.loads.get(endpoint)
@@ -194,12 +197,12 @@ class Ledger:
         if load.in_flight == 0 and endpoint not in self.live:
             del self.loads[endpoint]  # gone from the snapshot and nothing left to count
 
-    def _add(self, endpoint: Endpoint, tokens: int = 0) -> int:
+    def _add(self, endpoint: Endpoint, tokens: int = 0, output: int = 0) -> int:
         load = self.loads.get(endpoint)
         if load is None:
             load = self.loads[endpoint] = self._new_load(endpoint)
         self._seq += 1
-        load.add(self._seq, tokens)
+        load.add(self._seq, tokens, output)
         return self._seq
 
     def _new_load(self, endpoint: Endpoint) -> Load:

@@ -211,7 +211,7 @@ class Picker:
             assert self._scheduler.saturation is not None
             raise self._scheduler.saturation.rejection(model, len(candidates))
         primary = ranked[0]
-        result = Pick(primary, tuple(ranked[1:]), self._ledger.claim(model, primary, cost))
+        result = Pick(primary, tuple(ranked[1:]), self._ledger.claim(model, primary, cost, min(output or 0, cost)))
         self._scheduler.picked(request, primary)
         self._metrics.outcome["picked"].inc()
         self._metrics.latency.observe(perf_counter() - started)

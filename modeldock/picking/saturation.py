@@ -34,14 +34,16 @@ def held_tokens(s: Signals, output: int | None) -> float:
     checked the same way when it came. This lets a short request join a batch of long ones
     whose full limits would not fit together but will not all be reached while it runs.
 
-    "Now" is the sample's KV plus the committed tokens of the requests picked since it (whole:
-    they may still be waiting there), plus what the endpoint could have produced since the sample
-    at its learned speed (an over-estimate: the speed counts prompt tokens too). Waiting
-    requests in the sample count among the sequences that grow."""
+    "Now" is the sample's KV plus the prompts of the requests picked since it (their committed
+    tokens less their output limits: a request's KV starts as its prompt and grows like every
+    other sequence, which the output term counts, since they are among the waiting), plus what
+    the endpoint could have produced since the sample at its learned speed (an over-estimate: the
+    speed counts prompt tokens too). Waiting requests in the sample count among the sequences
+    that grow."""
     committed = float(s.committed)
     if output is None or not s.fresh or s.speed <= 0 or s.capacity <= 0:
         return committed
-    now = s.kv * s.capacity + s.new_tokens + s.age * s.speed
+    now = s.kv * s.capacity + s.new_tokens - s.new_outputs + s.age * s.speed
     return min(committed, now + (s.running + s.waiting) * output)
 
 

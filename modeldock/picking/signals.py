@@ -41,6 +41,8 @@ class Signals(NamedTuple):
     # counts but the backend has freed (at most: a request may have held less than its limit).
     gone_tokens: int = 0
     age: float = 0.0  # seconds since the sample was taken (fresh only; 0 otherwise)
+    # The output limits within `new_tokens` (of the picks that said theirs): not in any cache yet.
+    new_outputs: int = 0
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -75,11 +77,13 @@ class Load:
     """
 
     __slots__ = ("capacity", "committed", "counted_at", "counter", "declared", "failures", "gone", "gone_tokens",
-                 "last_pick", "leases",
+                 "last_pick", "leases", "new_outputs", "outputs",
                  "drain", "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
+        self.outputs: dict[int, int] = {}  # sequence number -> the output limit within them, when known
+        self.new_outputs = 0  # the output limits of the leases above `mark`
         self.committed = 0  # sum of the leases' tokens
         self.new_tokens = 0  # tokens of the leases above `mark`
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
@@ -102,11 +106,14 @@ class Load:
     def in_flight(self) -> int:
         return len(self.leases)
 
-    def add(self, seq: int, tokens: int = 0) -> None:
+    def add(self, seq: int, tokens: int = 0, output: int = 0) -> None:
         self.leases[seq] = tokens
         self.committed += tokens
         self.new += 1  # seq is the newest number: always above the mark
         self.new_tokens += tokens
+        if output:
+            self.outputs[seq] = output
+            self.new_outputs += output
         self.last_pick = seq
 
     def remove(self, seq: int) -> int:
@@ -114,10 +121,12 @@ class Load:
         if seq not in self.leases:
             return 0
         tokens = self.leases.pop(seq)
+        output = self.outputs.pop(seq, 0)
         self.committed -= tokens
         if seq > self.mark:
             self.new -= 1
             self.new_tokens -= tokens
+            self.new_outputs -= output
         else:
             self.gone += 1
             self.gone_tokens += tokens
@@ -185,6 +194,7 @@ class Load:
         were in flight when it was taken (None: as many as now)."""
         if in_flight_at is None:
             self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, 0, 0, 0
+            self.new_outputs = 0
             return
         # Picks since the page arrived: the newest leases above the count then.
         extra = len(self.leases) - in_flight_at
@@ -193,18 +203,20 @@ class Load:
             self.mark = ordered[-extra] - 1
             self.new, self.gone, self.gone_tokens = extra, 0, 0
             self.new_tokens = sum(self.leases[seq] for seq in ordered[-extra:])
+            self.new_outputs = sum(self.outputs.get(seq, 0) for seq in ordered[-extra:])
         else:
             # Which finished since the page is not known: no KV credit for them (conservative).
             self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, -extra, 0, 0
+            self.new_outputs = 0
 
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
         in_flight = len(self.leases)
         if sample is None or now - self.taken_at > stale_after:
             return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
-                           self.new_tokens, 0.0, self.limit)
+                           self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs)
         waiting, running = correct(sample, self.new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
                        self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens,
-                       now - self.taken_at)
+                       now - self.taken_at, self.new_outputs)

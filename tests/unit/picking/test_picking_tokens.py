@@ -47,20 +47,27 @@ def test_claim_move_and_release_carry_tokens_exactly_once(make_picker: MakePicke
 
 def test_tokens_sent_since_the_sample_are_new_until_the_next_one(make_picker: MakePicker, clock: FakeClock) -> None:
     picker = make_picker()
-    (a,) = endpoints(1)
-    picker.set_endpoints("m", [a])
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a, b])
     observe(picker, clock, a)
     p1 = picker.pick("m", cost=100)
     assert picker.signals(a).new_tokens == 100 and picker.signals(a).committed == 100
     observe(picker, clock, a, running=1)  # the page now reflects p1
     assert picker.signals(a).new_tokens == 0 and picker.signals(a).committed == 100
-    p2 = picker.pick("m", cost=40)
+    p2 = picker.pick("m", cost=40, output=30)  # 10 of prompt, 30 of output limit
+    assert (picker.signals(a).new_tokens, picker.signals(a).new_outputs) == (40, 30)
     # A page that arrived when only p1 was in flight: p2 is still new.
     picker.observe(a, Sample(0, 1, 0.0), clock.monotonic(), in_flight_at=1)
-    assert picker.signals(a).new_tokens == 40
+    assert (picker.signals(a).new_tokens, picker.signals(a).new_outputs) == (40, 30)
+    p2.lease.move_to(b.address)  # a retry went elsewhere: its output limit goes along
+    assert (picker.signals(b).new_tokens, picker.signals(b).new_outputs) == (40, 30)
+    assert (picker.signals(a).new_tokens, picker.signals(a).new_outputs) == (0, 0)
+    observe(picker, clock, b, running=1)  # b's page reflects it: nothing is new there any more
+    assert picker.signals(b).new_outputs == 0
     p1.lease.release()
     p2.lease.release()
     assert picker.signals(a).committed == 0 and picker.signals(a).new_tokens == 0
+    assert picker.signals(b).committed == 0 and picker.signals(b).new_outputs == 0
 
 
 def test_parser_reads_capacity_only_when_asked_and_the_token_counters() -> None:
