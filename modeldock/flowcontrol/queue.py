@@ -114,6 +114,7 @@ class FlowQueue(Generic[T]):
     def enqueue(
         self, tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, ttl: float | None = None,
         data: object = None, max_ahead: float | None = None, wait_hint: float | None = None,
+        protected: bool = False,
     ) -> Item[T]:
         """Queue a request, or raise RateLimited(queue_full) if it may not wait.
 
@@ -124,7 +125,9 @@ class FlowQueue(Generic[T]):
         would with it (the flooding tenant is shed, not the one that arrives);
         otherwise the new item is refused. `max_ahead`: refuse it too when the tokens that would be
         dispatched before it (`ahead`) exceed this (the caller's drain budget;
-        `wait_hint` is the wait that budget stands for, for the message).
+        `wait_hint` is the wait that budget stands for, for the message). `protected`: the
+        item will be tried past unprotected heads (dispatch's `protected`), so in its own band
+        only its own flow is ahead of it.
         ValueError for an unknown class or a weight <= 0.
         """
         klass = klass or self.config.default_class
@@ -136,7 +139,7 @@ class FlowQueue(Generic[T]):
         limit = self.config.max_per_tenant
         if limit is not None and self._tenants.get(tenant, 0) >= limit:
             raise self._refuse(tenant, klass, f"tenant {tenant!r} already has {limit} requests queued")
-        if max_ahead is not None and self._length and self.ahead(tenant, priority, weight) > max_ahead:
+        if max_ahead is not None and self._length and self.ahead(tenant, priority, weight, protected) > max_ahead:
             within = f" within {wait_hint:g}s" if wait_hint is not None else ""
             raise self._refuse(tenant, klass, f"the requests queued ahead for model {self.model!r} would not "
                                               f"drain{within}")
@@ -178,15 +181,16 @@ class FlowQueue(Generic[T]):
             return None
         return lowest.flows[heaviest][-1]
 
-    def ahead(self, tenant: str, priority: int, weight: float = 1.0) -> float:
+    def ahead(self, tenant: str, priority: int, weight: float = 1.0, protected: bool = False) -> float:
         """Tokens queued that would be dispatched before a new item of `tenant` at `priority`:
-        all of every higher band's, and its fair-queueing predecessors in its own band."""
+        all of every higher band's, and its fair-queueing predecessors in its own band (only its
+        own flow's items when `protected`: it goes past the others' unprotected heads)."""
         total = 0.0
         for band in self._bands:
             if band.priority > priority:
                 total += band.tokens
             elif band.priority == priority:
-                total += band.ahead(tenant, weight)
+                total += band.queued.get(tenant, 0) if protected else band.ahead(tenant, weight)
         return total
 
     def _band(self, priority: int) -> Band[T]:

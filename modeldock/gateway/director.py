@@ -296,7 +296,7 @@ class Gateway:
         item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight,
                              data=(prefix, cost, subset, tenant.id, tenant.weight, priority, output),
                              max_ahead=speed * max_wait if max_wait is not None and speed > 0 else None,
-                             wait_hint=max_wait)
+                             wait_hint=max_wait, protected=self._passes(headroom))
         if behind:
             self.dispatch(model)
         try:
@@ -348,6 +348,11 @@ class Gateway:
             return None
         self.standing.served(model, tenant, cost)
         return pick
+
+    def _passes(self, headroom: _Headroom) -> bool:
+        """Will a queued request with this headroom be tried past heads that must leave room?"""
+        config = self.queues.config
+        return not headroom and bool(config.headroom or config.headroom_tokens)
 
     def _prefer_fast(self, model: str, tenant: str, priority: int, headroom: _Headroom) -> bool:
         """A protected request while others on the model must leave it room (headroom on)."""

@@ -1,7 +1,8 @@
 """Overload through real Envoy, ext_proc, xDS and a tiny simulator (256 tokens of KV), with the
 openai SDK: a request that does not fit waits in ext_proc and is served once room frees, still
-streaming chunk by chunk; a client that leaves while queued is dropped at once and every count
-returns to 0; a request that waits past the queue's TTL gets the JSON 429 with Retry-After."""
+streaming chunk by chunk; a declared batch limit queues a request the KV would fit; a client
+that leaves while queued is dropped at once and every count returns to 0; a request that waits
+past the queue's TTL gets the JSON 429 with Retry-After."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.e2e
 MSG = [{"role": "user", "content": "hello"}]
 KV_TOKENS = 16 * 16
 TTL = 1.5
+SLOTS = 2
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         data["tenants"][0]["priorities_allowed"] = ["batch"]
         data["queue"] = {"ttl_seconds": TTL, "retry_after_seconds": 2}
         data["routing"] = {"scrape": {"interval_seconds": 0.2}}
+        data["models"][0]["max_num_seqs"] = SLOTS  # declared: below the simulator's own limit
 
     run_dir: Path = tmp_path_factory.mktemp("overload")
     # One backend with room for 256 tokens, at half speed: ~12 ms a token.
@@ -118,6 +121,28 @@ def test_a_short_request_joins_a_long_generation_whose_limit_leaves_no_room_for_
     first.join(20)
     assert first.error is None
     assert stack.metric("vllm:num_preemptions_total", port=stack.sims[0].port) == preempted  # nothing preempted
+    wait_until(lambda: _idle(stack), 10, what="every count back to 0")
+
+
+@pytest.mark.timeout(60)
+def test_the_declared_batch_limit_keeps_a_third_request_in_the_gateway(stack: Stack) -> None:
+    # Three short requests fit the KV together (3 x ~65 tokens < 256), but the model's entry declares
+    # max_num_seqs 2: the third waits in the gateway's queue, not in the backend's, from the first pick.
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    dispatched = stack.metric("modeldock_queue_dispatched_total")
+    streams = [Stream(stack, 60) for _ in range(SLOTS + 1)]
+    for s in streams[:SLOTS]:
+        s.start()
+    wait_until(lambda: stack.in_flight() == SLOTS, 10, what="two requests in flight")
+    streams[SLOTS].start()
+    wait_until(lambda: stack.metric("modeldock_queue_length") == 1, 5, what="the third request queued")
+    assert stack.in_flight() == SLOTS
+    assert stack.metric("vllm:num_requests_waiting", port=stack.sims[0].port) == 0
+    for s in streams:
+        s.join(20)
+        assert s.error is None and len(s.times) >= 50
+    assert streams[SLOTS].times[0] >= min(s.times[-1] for s in streams[:SLOTS])  # after one of them ended
+    assert stack.metric("modeldock_queue_dispatched_total") == dispatched + 1
     wait_until(lambda: _idle(stack), 10, what="every count back to 0")
 
 

@@ -291,3 +291,22 @@ def test_enqueue_sheds_what_would_not_drain_in_time(idle_loop: asyncio.AbstractE
     h.queue.enqueue("i", 100, klass="interactive", max_ahead=250)
     assert len(h.queue) == 5 and h.queue.counts.rejected == 1
     assert h.queue.counts.offered == h.queue.counts.rejected + len(h.queue)
+
+
+def test_a_protected_request_counts_only_its_own_flow_ahead(idle_loop: asyncio.AbstractEventLoop) -> None:
+    # Dispatch tries a protected item past the unprotected heads, so what it waits for is its own
+    # flow (and higher classes): the drain budget must not shed it for the flood in its band.
+    h = Harness(idle_loop, max_length=1000)
+    prio = h.config.priority("standard")
+    for _ in range(5):
+        h.queue.enqueue("a", 100)
+    for _ in range(2):
+        h.queue.enqueue("b", 100, max_ahead=250, protected=True)
+    assert h.queue.ahead("b", prio, protected=True) == 200
+    assert h.queue.ahead("b", prio) == pytest.approx(400)  # in fair order a's would interleave
+    with pytest.raises(RateLimited):
+        h.queue.enqueue("b", 100, max_ahead=250)  # not protected: a's items count
+    h.queue.enqueue("i", 50, klass="interactive")
+    assert h.queue.ahead("b", prio, protected=True) == 250  # a higher class is ahead all the same
+    with pytest.raises(RateLimited):
+        h.queue.enqueue("b", 100, max_ahead=240, protected=True)
