@@ -254,10 +254,11 @@ class FlowQueue(Generic[T]):
         the claim, e.g. a lease) or returns None when there is no room, which stops
         dispatch -- the next item in fair order is not skipped, so a large request
         is not starved by smaller ones behind it. One exception, `protected`: when
-        the head finds no room and is not protected (it must leave headroom), the
-        heads of the other tenants' flows in its band that are protected are tried,
-        in fair order: the room the head must leave is theirs. FIFO within a tenant
-        and the class order hold, and the head stays first for any room it may use.
+        the head is not protected (it must leave headroom), the heads of the other
+        tenants' flows in its band that are protected are tried first, in fair
+        order: the room the head must leave is theirs, and any other room it would
+        take is room they wait for (they are under their share, or above its class
+        within the band's tenants). FIFO within a tenant and the class order hold.
         If `claim` raises a Rejection, that item leaves with it and dispatch goes
         on. `claim` must not call into this queue. Returns the number dispatched.
         """
@@ -268,19 +269,20 @@ class FlowQueue(Generic[T]):
             if item.future.done():  # the caller cancelled the future itself: it is gone
                 self.cancel(item)
                 continue
-            try:
-                got = claim(item)
-            except Rejection as exc:
-                self._remove(item)
-                self._reject(item, exc)
-                continue
+            got = None
+            if protected is not None and not protected(item):
+                passed = self._past(item, claim, protected)
+                if passed is not None:
+                    item, got = passed
             if got is None:
-                if protected is None or protected(item):
+                try:
+                    got = claim(item)
+                except Rejection as exc:
+                    self._remove(item)
+                    self._reject(item, exc)
+                    continue
+                if got is None:
                     break
-                skipped = self._past(item, claim, protected)
-                if skipped is None:
-                    break
-                item, got = skipped
             self._remove(item, dispatched=True)
             item.state = State.DISPATCHED
             item.claim = got

@@ -1,5 +1,5 @@
 """FlowQueue.dispatch's one skip: past a head that must leave headroom, to protected flow heads of
-its band. FakeClock, no gRPC."""
+its band, which are tried first. FakeClock, no gRPC."""
 
 from __future__ import annotations
 
@@ -50,10 +50,14 @@ def test_a_protected_request_queued_behind_a_blocked_head_takes_the_kept_slot(
     assert room.order == [("bob", b1.seq)]  # bob's first, FIFO; alice's second never tried
     assert ("alice", a1.seq + 1) not in room.tried
     assert b1.state is State.DISPATCHED and a1.state is State.QUEUED and b2.state is State.QUEUED
-    # Room that alice may use: her head goes first, before bob's next.
+    # Room that alice may use too: bob, under his share, goes first all the same (room alice takes
+    # is room he waits for); she takes what is left beyond the headroom.
     room.free = 2
-    assert _dispatch(h, room) == 2
-    assert room.order[1:] == [("alice", a1.seq), ("bob", b2.seq)]
+    assert _dispatch(h, room) == 1
+    assert room.order[1:] == [("bob", b2.seq)]
+    room.free = 2
+    assert _dispatch(h, room) == 1
+    assert room.order[2:] == [("alice", a1.seq)]
 
 
 def test_without_the_predicate_or_with_a_protected_head_dispatch_stops(idle_loop: asyncio.AbstractEventLoop) -> None:
