@@ -114,7 +114,7 @@ class FlowQueue(Generic[T]):
     def enqueue(
         self, tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, ttl: float | None = None,
         data: object = None, max_ahead: float | None = None, wait_hint: float | None = None,
-        protected: bool = False,
+        protected: bool = False, shed_after: float = 0.0,
     ) -> Item[T]:
         """Queue a request, or raise RateLimited(queue_full) if it may not wait.
 
@@ -127,7 +127,8 @@ class FlowQueue(Generic[T]):
         dispatched before it (`ahead`) exceed this (the caller's drain budget;
         `wait_hint` is the wait that budget stands for, for the message). `protected`: the
         item will be tried past unprotected heads (dispatch's `protected`), so in its own band
-        only its own flow is ahead of it.
+        only its own flow is ahead of it. `shed_after`: the budget applies only once the oldest
+        item queued has waited this long (a queue that drains in time is a burst, not overload).
         ValueError for an unknown class or a weight <= 0.
         """
         klass = klass or self.config.default_class
@@ -139,7 +140,8 @@ class FlowQueue(Generic[T]):
         limit = self.config.max_per_tenant
         if limit is not None and self._tenants.get(tenant, 0) >= limit:
             raise self._refuse(tenant, klass, f"tenant {tenant!r} already has {limit} requests queued")
-        if max_ahead is not None and self._length and self.ahead(tenant, priority, weight, protected) > max_ahead:
+        if (max_ahead is not None and self._length and self.oldest_wait() >= shed_after
+                and self.ahead(tenant, priority, weight, protected) > max_ahead):
             within = f" within {wait_hint:g}s" if wait_hint is not None else ""
             raise self._refuse(tenant, klass, f"the requests queued ahead for model {self.model!r} would not "
                                               f"drain{within}")
@@ -166,6 +168,12 @@ class FlowQueue(Generic[T]):
             heapq.heapify(self._deadlines)
         self._metrics.queued(self.model, tenant, klass, 1)
         return item
+
+    def oldest_wait(self) -> float:
+        """How long the oldest item queued has waited (0 when empty). O(tenants waiting): each
+        flow's head is its oldest."""
+        heads = [flow[0].enqueued_at for band in self._bands for flow in band.flows.values()]
+        return self._clock.monotonic() - min(heads) if heads else 0.0
 
     def _victim(self, tenant: str, priority: int, share: float) -> Item[T] | None:
         """What a new item of `tenant` (class `priority`, `share` = cost / weight) evicts from a

@@ -296,7 +296,8 @@ class Gateway:
         item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight,
                              data=(prefix, cost, subset, tenant.id, tenant.weight, priority, output),
                              max_ahead=speed * max_wait if max_wait is not None and speed > 0 else None,
-                             wait_hint=max_wait, protected=self._passes(headroom))
+                             wait_hint=max_wait, protected=self._passes(headroom),
+                             shed_after=max_wait or 0.0)
         if behind:
             self.dispatch(model)
         try:

@@ -293,6 +293,22 @@ def test_enqueue_sheds_what_would_not_drain_in_time(idle_loop: asyncio.AbstractE
     assert h.queue.counts.offered == h.queue.counts.rejected + len(h.queue)
 
 
+def test_the_drain_budget_sheds_only_once_the_oldest_has_waited(idle_loop: asyncio.AbstractEventLoop) -> None:
+    # A burst below capacity queues for a moment and drains: nothing is shed for it. A queue whose
+    # oldest item has waited `shed_after` is not draining in time: the budget applies.
+    h = Harness(idle_loop, max_length=1000)
+    for _ in range(3):
+        h.queue.enqueue("a", 100)
+    h.clock.advance(0.2)
+    assert h.queue.oldest_wait() == pytest.approx(0.2)
+    h.queue.enqueue("a", 100, max_ahead=250, shed_after=0.5)  # 300 ahead, but the queue is young
+    h.clock.advance(0.3)
+    with pytest.raises(RateLimited, match="would not drain"):
+        h.queue.enqueue("a", 100, max_ahead=250, shed_after=0.5)
+    h.claim_all(budget=10_000)
+    assert h.queue.oldest_wait() == 0.0 and len(h.queue) == 0
+
+
 def test_a_protected_request_counts_only_its_own_flow_ahead(idle_loop: asyncio.AbstractEventLoop) -> None:
     # Dispatch tries a protected item past the unprotected heads, so what it waits for is its own
     # flow (and higher classes): the drain budget must not shed it for the flood in its band.
