@@ -265,8 +265,8 @@ class FlowQueue(Generic[T]):
         the head is not protected (it must leave headroom), the heads of the other
         tenants' flows in its band that are protected are tried first, in fair
         order: the room the head must leave is theirs, and any other room it would
-        take is room they wait for (they are under their share, or above its class
-        within the band's tenants). FIFO within a tenant and the class order hold.
+        take is room they wait for (they are under their share). FIFO within a
+        tenant and the class order hold.
         If `claim` raises a Rejection, that item leaves with it and dispatch goes
         on. `claim` must not call into this queue. Returns the number dispatched.
         """
