@@ -155,8 +155,10 @@ def test_a_client_that_leaves_while_queued_is_dropped_at_once(stack: Stack) -> N
     wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
     # ~205 tokens: while it runs the first can grow by that much too, 410 > 256: it waits (a short one
     # would go on: the first cannot grow past the cache before it is done).
-    leaver = Stream(stack, 199, timeout=0.6)  # gives up while queued
+    leaver = Stream(stack, 199, timeout=1.5)  # gives up while queued
     leaver.start()
+    # Queued before the client gives up (under load the request can take a while to get there).
+    wait_until(lambda: stack.metric("modeldock_queue_length") == 1, 1.4, what="the leaver queued")
     leaver.join(10)
     assert isinstance(leaver.error, openai.APITimeoutError)
     wait_until(lambda: stack.metric("modeldock_queue_cancelled_total") == cancelled + 1, 5,
