@@ -43,6 +43,9 @@ class QueueConfig(BaseModel):
     headroom: Annotated[int, Field(ge=0)] = 1
     headroom_tokens: Annotated[int, Field(ge=0)] | None = None
     headroom_window_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
+    # The time constant of each tenant's served-tokens average that decides "over its share": long
+    # enough that a tenant's clumps of arrivals within its share do not count as over it.
+    share_window_seconds: Annotated[float, Field(gt=0, le=600)] = 10.0
     # Output tokens assumed for a request that sets neither max_completion_tokens nor max_tokens.
     default_max_tokens: Annotated[int, Field(ge=1)] = 256
 

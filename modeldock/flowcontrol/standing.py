@@ -5,13 +5,24 @@ the queue, so a request of the top class, or of a tenant under its share, that a
 for the next slot to free. Headroom keeps one free: a request must leave it (README "Overload")
 when a class above its own was seen on the model within `window` seconds, or when its tenant was
 recently served more of the model's tokens than weight / (sum of the weights of the tenants seen
-within `window`) of them. "Recently served" is the tokens of the requests dispatched to the model,
-decayed with time constant `window`: a rate, as the fair queue counts. (Tokens in flight would
-not do: under load every request lasts longer, and the tenant whose requests fit the room least
--- the one sending fewer, larger requests -- holds its tokens longest, so a tenant sending half
-its share would look like one at its share.) Everything is O(1) per question (amortised; the
-class count is fixed by the config): the active tenants' weight sum is kept as they come and
-expire.
+within `window`) of them.
+
+"Recently served" is the tokens of the requests dispatched to the model, decayed with time
+constant `share_window`: a rate, as the fair queue counts. (Tokens in flight would not do: under
+load every request lasts longer, and the tenant whose requests fit the room least -- the one
+sending fewer, larger requests -- holds its tokens longest, so a tenant sending half its share
+would look like one at its share.) The time constant is longer than `window`: Poisson arrivals
+at half a tenant's share still bring a second's clump of twice its mean rate now and then, and a
+2 s average read that clump as "over its share" (measured: the quiet tenant's clump flipped both
+tenants' standing, and the flooding tenant's backlog took the room kept for the clump). A tenant
+that becomes active starts at its weighted share of what was recently served (the others keep
+their standing relative to one another), and the first tenant after a quiet spell starts the
+history afresh: otherwise a newcomer whose tokens are not in the average yet would look under
+its share -- protected -- for about `share_window` while it floods, and a tenant that was alone
+would look over it.
+
+Everything is O(1) per question (amortised; the class count is fixed by the config): the active
+tenants' weight sum is kept as they come and expire.
 
 How much room to keep is sized to the protected requests themselves: `kept_tokens` is the largest
 cost of the last `KEPT_SAMPLES` protected requests on the model, so the kept room fits every one of
@@ -46,11 +57,16 @@ class _Model:
 
 
 class Standing:
-    def __init__(self, clock: Clock, window: float) -> None:
+    def __init__(self, clock: Clock, window: float, share_window: float | None = None) -> None:
+        """`window`: how long a class or tenant counts as active after its last request;
+        `share_window`: the time constant of the served-tokens average (default `window`)."""
         if window <= 0:
             raise ValueError("standing window must be > 0")
+        if share_window is not None and share_window <= 0:
+            raise ValueError("standing share_window must be > 0")
         self._clock = clock
         self.window = window
+        self.share_window = share_window or window
         self._models: dict[str, _Model] = {}
 
     def seen(self, model: str, tenant: str, weight: float, priority: int) -> None:
@@ -59,13 +75,29 @@ class Standing:
         m = self._model(model)
         m.classes[priority] = now
         until = now + self.window
+        self._expire(m, now)
         before = m.tenants.get(tenant)
+        if before is None:
+            self._joins(m, tenant, weight, now)
         m.weights += weight - (before[1] if before is not None else 0.0)
         m.tenants[tenant] = (until, weight)
         heapq.heappush(m.expiries, (until, tenant))
         if len(m.expiries) > 4 * len(m.tenants) + 64:  # refreshed entries pile up: keep only the live ones
             m.expiries = [(u, t) for t, (u, _) in m.tenants.items()]
             heapq.heapify(m.expiries)
+
+    def _joins(self, m: _Model, tenant: str, weight: float, now: float) -> None:
+        """`tenant` becomes active: it starts at its weighted share of the recent total (the total
+        grows by as much, so every other tenant's standing relative to the rest is unchanged);
+        the first after a quiet spell clears the history."""
+        if m.weights <= 0.0:
+            m.served.clear()
+            m.served_total = (0.0, now)
+            return
+        total = self._decayed(m.served_total, now)
+        start = total * weight / m.weights
+        m.served[tenant] = (start, now)
+        m.served_total = (total + start, now)
 
     def protected(self, model: str, cost: int) -> None:
         """A protected request of `cost` tokens went to `model`: what the kept room should fit.
@@ -116,10 +148,10 @@ class Standing:
         for other, at in m.classes.items():
             if other > priority and at > since:
                 return True
+        self._expire(m, now)
         mine = self._decayed(m.served.get(tenant), now)
         if mine <= 0.0:
             return False
-        self._expire(m, now)
         total = m.weights
         if tenant not in m.tenants:
             total += weight
@@ -149,10 +181,9 @@ class Standing:
         if entry is None:
             return 0.0
         value, at = entry
-        return value * math.exp((at - now) / self.window) if now > at else value
+        return value * math.exp((at - now) / self.share_window) if now > at else value
 
-    @staticmethod
-    def _expire(m: _Model, now: float) -> None:
+    def _expire(self, m: _Model, now: float) -> None:
         heap = m.expiries
         while heap and heap[0][0] <= now:
             until, tenant = heapq.heappop(heap)
@@ -160,6 +191,8 @@ class Standing:
             if held is not None and held[0] == until:
                 del m.tenants[tenant]
                 m.weights -= held[1]
-                m.served.pop(tenant, None)  # decayed to a small remainder; the total keeps it a while
+                gone = m.served.pop(tenant, None)  # it starts afresh if it comes back
+                if gone is not None:  # ...and the others' standing is among themselves
+                    m.served_total = (max(0.0, self._decayed(m.served_total, now) - self._decayed(gone, now)), now)
         if not m.tenants:
             m.weights = 0.0  # no float drift left behind

@@ -124,7 +124,7 @@ class Gateway:
         self.stale_models: frozenset[str] = frozenset()
         # The queue's settings apply from start; tenants' weights and classes follow reloads.
         self.queues: FlowQueues[Pick] = FlowQueues(config.queue, clock, release=_release_pick, metrics=queue_metrics)
-        self.standing = Standing(clock, config.queue.headroom_window_seconds)
+        self.standing = Standing(clock, config.queue.headroom_window_seconds, config.queue.share_window_seconds)
         self._dispatching = False
         self._again: set[str] = set()
         picker.add_room_listener(self.dispatch)

@@ -35,6 +35,7 @@ def test_good_config_loads(tmp_path: Path) -> None:
         (lambda c: c["models"][0].update(kubernetes={"namespace": "n", "service": "s", "port": 80}),
          "models[0]", "exactly one of"),
         (lambda c: c["models"][0].update(max_num_seqs=0), "models[0].max_num_seqs", "greater than or equal to 1"),
+        (lambda c: c.update(queue={"share_window_seconds": 0}), "queue.share_window_seconds", "greater than 0"),
     ],
 )
 def test_bad_config_names_file_field_and_reason(edit, where: str, reason: str) -> None:

@@ -28,9 +28,10 @@ def _served(standing: Standing, tenant: str, tokens: int, weight: float = 1.0) -
 def test_a_tenant_served_over_its_weighted_share_of_the_tokens_leaves_headroom() -> None:
     clock = FakeClock()
     standing = Standing(clock, window=2.0)
+    standing.seen("m", "alice", 1.0, 1)
+    standing.seen("m", "bob", 1.0, 1)  # both active from the start: each starts at nothing
     _served(standing, "alice", 900)
-    # Alone, a tenant's share is everything: never over it.
-    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
     _served(standing, "bob", 300)
     assert standing.active_weight("m") == 2.0
     assert standing.must_leave_headroom("m", "alice", 1.0, 1)  # 900 of 1200 > 1/2
@@ -51,6 +52,7 @@ def test_a_tenant_served_over_its_weighted_share_of_the_tokens_leaves_headroom()
 def test_served_tokens_decay_so_a_burst_long_ago_does_not_count_as_now() -> None:
     clock = FakeClock()
     standing = Standing(clock, window=2.0)
+    standing.seen("m", "bob", 1.0, 1)
     _served(standing, "alice", 1000)
     _served(standing, "bob", 400)
     assert standing.must_leave_headroom("m", "alice", 1.0, 1)
@@ -63,6 +65,97 @@ def test_served_tokens_decay_so_a_burst_long_ago_does_not_count_as_now() -> None
         _served(standing, "alice", 20)
     assert standing.must_leave_headroom("m", "bob", 1.0, 1)
     assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+
+
+def test_alone_a_tenant_is_never_over_its_share() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    for _ in range(30):
+        clock.advance(0.1)
+        _served(standing, "alice", 900)
+        assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+
+
+def test_a_tenant_that_becomes_active_starts_at_its_weighted_share() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    for _ in range(50):  # alice alone for 5 s: all that was served is hers
+        clock.advance(0.1)
+        _served(standing, "alice", 300)
+    clock.advance(0.1)
+    standing.seen("m", "bob", 1.0, 1)  # bob arrives: both stand at half of the recent total
+    assert standing.served_tokens("m", "bob") == standing.served_tokens("m", "alice")
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+    # A newcomer that floods is over its share from its first request: not protected while its
+    # tokens are not in the average yet; the one that was alone is not over it for having been.
+    _served(standing, "bob", 300)
+    assert standing.must_leave_headroom("m", "bob", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+    # A third, of weight 2: a half of the total, the others keeping their standing between them.
+    before = standing.served_tokens("m", "bob") / standing.served_tokens("m", "alice")
+    standing.seen("m", "carol", 2.0, 1)
+    carol = standing.served_tokens("m", "carol")
+    assert abs(carol - standing.served_tokens("m", "alice") - standing.served_tokens("m", "bob")) < 1e-6
+    assert standing.served_tokens("m", "bob") / standing.served_tokens("m", "alice") == before
+    assert standing.must_leave_headroom("m", "bob", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "carol", 2.0, 1)
+
+
+def test_the_first_tenant_after_a_quiet_spell_starts_the_history_afresh() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    _served(standing, "alice", 5000)
+    clock.advance(2.5)  # alice's window passed: nobody is active
+    _served(standing, "bob", 100)
+    assert standing.served_tokens("m", "alice") == 0.0
+    standing.seen("m", "alice", 1.0, 1)  # back: she starts at her share of bob's 100, not her 5000
+    assert abs(standing.served_tokens("m", "alice") - 100) < 1e-6
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+
+
+def test_a_tenant_that_leaves_takes_its_part_of_the_total_with_it() -> None:
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    for tenant in ("alice", "bob", "carol"):
+        standing.seen("m", tenant, 1.0, 1)
+    _served(standing, "carol", 6000)
+    _served(standing, "alice", 1500)
+    _served(standing, "bob", 1000)
+    # alice holds 1500 of 8500, under a third; once carol leaves she holds 1500 of 2500: over half.
+    assert not standing.must_leave_headroom("m", "alice", 1.0, 1)
+    clock.advance(1.5)
+    standing.seen("m", "alice", 1.0, 1)
+    standing.seen("m", "bob", 1.0, 1)
+    clock.advance(1.0)  # carol's window passed
+    assert standing.active_weight("m") == 2.0
+    assert standing.must_leave_headroom("m", "alice", 1.0, 1)
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+
+
+def _clump(share_window: float) -> bool:
+    """A tenant at half the other's rate, then a clump: 8 of its requests in a second while the
+    other gets nothing. Is it over its share at the clump's end?"""
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=share_window)
+    standing.seen("m", "alice", 1.0, 1)
+    standing.seen("m", "bob", 1.0, 1)
+    for step in range(400):  # 40 s: alice 3000 tokens/s, bob 1500
+        clock.advance(0.1)
+        _served(standing, "alice", 300)
+        if step % 2:
+            _served(standing, "bob", 300)
+    for _ in range(8):
+        clock.advance(0.125)
+        _served(standing, "bob", 365)
+        standing.seen("m", "alice", 1.0, 1)  # still there, queued
+    return standing.must_leave_headroom("m", "bob", 1.0, 1)
+
+
+def test_a_clump_within_a_tenants_share_is_not_over_it_with_the_longer_average() -> None:
+    assert not _clump(share_window=10.0)
+    assert _clump(share_window=2.0)  # why the average is longer than the activity window
 
 
 def test_active_tenants_expire_with_the_window() -> None:

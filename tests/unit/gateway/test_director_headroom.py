@@ -149,15 +149,16 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
 
 async def test_a_protected_request_already_queued_passes_a_head_over_its_share() -> None:
     rig = Rig()
-    (await rig.route("alice", 0)).release()  # alice was served before
+    (await rig.route("bob", 0)).release()  # bob was served first, then alice (she starts at his one)
+    (await rig.route("alice", 0)).release()
     first = await rig.route("alice", 1)
-    bob = await rig.route("bob", 1)  # bob, under his share, takes the last slot
+    bob = await rig.route("bob", 1)  # bob, served one of four, takes the last slot
     second = rig.route("alice", 2)  # both slots full: queued first
     await _settle()
-    queued = rig.route("bob", 2)  # bob, served a third: protected, but no room either
+    queued = rig.route("bob", 2)  # bob, served two of five: protected, but no room either
     await _settle()
     assert not second.done() and not queued.done() and len(rig.gateway.queues) == 2
-    bob.release()  # one slot frees: alice, served two thirds, must leave it; bob may take it
+    bob.release()  # one slot frees: alice, served three of five, must leave it; bob may take it
     await _settle()
     assert queued.done() and not second.done()
     taken = await queued
