@@ -90,7 +90,7 @@ class Load:
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
         self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
         self.declared = 0.0  # the batch limit the config gives (models[].max_num_seqs; 0: none, learn it)
-        self.drain = 0.0  # tokens/second while full (requests waiting at both pages), smoothed (0: unknown)
+        self.drain = 0.0  # tokens/s while full (waiting or at the batch limit at both pages), smoothed; 0: unknown
         self.counter: float | None = None  # the last token counter reading and when it was taken
         self.counted_at = 0.0
         self.sample: Sample | None = None
@@ -167,11 +167,15 @@ class Load:
             return
         rate = (total - previous) / (taken_at - since)
         self.speed = rate if self.speed <= 0 else 0.7 * self.speed + 0.3 * rate
-        # How fast it works through a queue: only intervals it was full all along (a queue at
-        # both pages). `speed` follows the load it was given and so reads low after a quiet
-        # spell, which would shed too much when a queue forms.
-        if sample.waiting > 0 and before is not None and before.waiting > 0:
+        # How fast it works through a queue: only intervals it was full all along (at both pages a
+        # queue, or its batch limit running: a backend the gateway keeps from queueing is full
+        # there). `speed` follows the load it was given and so reads low after a quiet spell,
+        # which would shed too much when a queue forms (in the gateway or the backend).
+        if before is not None and self._full(sample) and self._full(before):
             self.drain = rate if self.drain <= 0 else 0.7 * self.drain + 0.3 * rate
+
+    def _full(self, sample: Sample) -> bool:
+        return sample.waiting > 0 or (self.limit > 0 and sample.running >= self.limit)
 
     def declare(self, limit: float) -> None:
         """The batch limit from the config (0: none): the limit from now on, until running above

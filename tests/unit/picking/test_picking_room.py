@@ -88,6 +88,30 @@ def test_drain_rate_is_learned_only_while_full(make_picker: MakePicker, clock: F
     assert picker.ledger.speed("m") == pytest.approx(1000)  # b has learned nothing: adds nothing
 
 
+def test_a_backend_at_its_declared_batch_limit_is_full_for_the_drain_rate(
+        make_picker: MakePicker, clock: FakeClock) -> None:
+    # The gateway keeps a backend from queueing once its limit is known: running at the limit
+    # at both pages is as full as it gets, and is how fast a queue in the gateway drains.
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a], max_num_seqs=4)
+    _see(picker, clock, a, waiting=0, running=4, total=0)
+    clock.advance(1.0)
+    _see(picker, clock, a, waiting=0, running=3, total=300)  # not at the limit at this page
+    assert picker.ledger.load(a).drain == 0
+    clock.advance(1.0)
+    _see(picker, clock, a, waiting=0, running=4, total=1300)
+    clock.advance(1.0)
+    _see(picker, clock, a, waiting=0, running=4, total=2500)  # at the limit at both: 1200 tokens/s
+    assert picker.ledger.load(a).drain == pytest.approx(1200)
+    # The load drops: its speed reads low, the rate a queue drains at stays.
+    for total in (2700, 2800, 2900):
+        clock.advance(1.0)
+        _see(picker, clock, a, waiting=0, running=1, total=total)
+    assert picker.ledger.load(a).speed < 500
+    assert picker.ledger.speed("m") == pytest.approx(1200)
+
+
 def test_a_restart_forgets_the_limit(make_picker: MakePicker, clock: FakeClock) -> None:
     picker = make_picker(saturation=Saturation(room=True))
     (a,) = endpoints(1)
