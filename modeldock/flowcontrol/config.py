@@ -23,9 +23,9 @@ class QueueConfig(BaseModel):
     max_per_tenant: Annotated[int, Field(ge=1)] | None = None
     # An interactive client gives up after a few seconds; waiting longer only wastes a slot.
     ttl_seconds: Annotated[float, Field(gt=0, le=600)] = 10.0
-    # Shed early: once the oldest request queued has waited this long, a request is refused at once
+    # Shed early: once the oldest request queued has waited half this long, a request is refused at once
     # (429 queue_full) when the requests queued ahead of it (its class and higher, in fair order) hold
-    # more tokens than the model's endpoints process in this many seconds (their learned tokens/s);
+    # more tokens than the model's endpoints process in this many seconds (their tokens/s while full);
     # None: only the TTL and max_length bound a wait.
     max_wait_seconds: Annotated[float, Field(gt=0, le=600)] | None = 0.5
     retry_after_seconds: Annotated[int, Field(ge=1, le=3600)] = 1

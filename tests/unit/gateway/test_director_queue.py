@@ -139,6 +139,33 @@ async def test_ttl_gives_429_queue_timeout_with_retry_after_and_releases_the_tic
     assert rig.held() == (0, 0, 0)
 
 
+async def test_the_drain_budget_sheds_once_the_oldest_has_waited_half_of_max_wait() -> None:
+    rig = Rig(queue={"max_wait_seconds": 1.0})
+    for total in (0.0, 100.0):  # busy at 100 tokens/s: 100 tokens drain within max_wait
+        rig.picker.observe(EP, Sample(0.0, 1.0, 0.0, capacity=1000.0, tokens_total=total), rig.clock.monotonic())
+        rig.clock.advance(1.0)
+    assert rig.picker.ledger.speed("m") == pytest.approx(100)
+    first = await rig.route(890)  # 900 of 1000 tokens
+    second = rig.route(490)  # 500: waits
+    await _settle()
+    rig.clock.advance(0.49)
+    young = rig.route(190)  # 500 ahead of it, 5 s of work: but the queue may be a passing burst
+    await _settle()
+    assert not young.done() and rig.queued == 2
+    rig.clock.advance(0.01)  # the oldest has waited half of max_wait: it is not draining in time
+    late = rig.route(90)
+    await _settle()
+    with pytest.raises(RateLimited) as caught:
+        late.result()
+    assert caught.value.code == "queue_full" and rig.queued == 2
+    first.release()  # the two queued go in turn; the shed one holds nothing
+    await _settle()
+    (await second).release()
+    await _settle()
+    (await young).release()
+    assert rig.held() == (0, 0, 0)
+
+
 async def test_a_full_queue_sheds_the_lower_class_first() -> None:
     rig = Rig(queue={"max_length": 2})
     first = await rig.route(590)
