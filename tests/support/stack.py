@@ -127,6 +127,21 @@ class Stack:
         """Requests counted in flight, summed over every ext_proc replica."""
         return sum(self.metric_per_replica("modeldock_in_flight"))
 
+    def leave_mid_stream(self, messages: Any, max_tokens: int, chunks: int = 3) -> None:
+        """Stream a long completion with the openai client, read `chunks` content chunks, check
+        the request is counted in flight, and close: a client that leaves mid-stream."""
+        stream = self.openai().chat.completions.create(model="demo-model", messages=messages,
+                                                       max_tokens=max_tokens, stream=True)
+        got = 0
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got += 1
+                if got == chunks:
+                    break
+        assert got == chunks, "the stream ended before the client left"
+        assert self.in_flight() == 1
+        stream.close()
+
     def envoy_stat(self, name: str) -> int:
         text = urllib.request.urlopen(f"{self.admin_url}/stats?filter=^{name}$", timeout=2).read().decode()  # noqa: S310
         return sum(int(line.split(": ", 1)[1]) for line in text.splitlines() if ": " in line)
