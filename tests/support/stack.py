@@ -132,15 +132,17 @@ class Stack:
         the request is counted in flight, and close: a client that leaves mid-stream."""
         stream = self.openai().chat.completions.create(model="demo-model", messages=messages,
                                                        max_tokens=max_tokens, stream=True)
-        got = 0
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                got += 1
-                if got == chunks:
-                    break
-        assert got == chunks, "the stream ended before the client left"
-        assert self.in_flight() == 1
-        stream.close()
+        try:
+            got = 0
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got += 1
+                    if got == chunks:
+                        break
+            assert got == chunks, "the stream ended before the client left"
+            assert self.in_flight() == 1
+        finally:
+            stream.close()  # a failed check does not leave a long stream running into the next test
 
     def envoy_stat(self, name: str) -> int:
         text = urllib.request.urlopen(f"{self.admin_url}/stats?filter=^{name}$", timeout=2).read().decode()  # noqa: S310

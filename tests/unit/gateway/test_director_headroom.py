@@ -5,17 +5,14 @@ to zero on every path a request can take. FakeClock, no gRPC."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
-from modeldock.admission.limits import Admission
-from modeldock.clock import FakeClock
-from modeldock.config import hash_key, parse_config
+from modeldock.config import hash_key
 from modeldock.errors import RateLimited
-from modeldock.gateway import Gateway, Routed
-from modeldock.gateway.request import RequestHead
-from modeldock.picking import Picker, Sample, Saturation
+from modeldock.gateway import Routed
+from modeldock.picking import Sample
 from modeldock.types import Endpoint
+from tests.support.gateway_rig import GatewayRig, settle
 
 EP = Endpoint("10.0.0.1", 8000)
 OTHER = Endpoint("10.0.0.2", 8000)
@@ -31,33 +28,21 @@ def _config(queue: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class Rig:
+class Rig(GatewayRig):
     """One endpoint of batch limit 2 (learned from two pages with a queue), the other not listed."""
 
     def __init__(self, **queue: Any) -> None:
-        self.clock = FakeClock()
-        config = parse_config(_config(queue))
-        self.picker = Picker(self.clock, fallbacks=0, saturation=Saturation(room=True))
-        self.admission = Admission(config, self.clock)
-        self.gateway = Gateway(config, self.clock, self.picker, self.admission)
-        self.gateway.on_endpoints("m", (EP,))
+        super().__init__(_config(queue), (EP,))
         for waiting in (1.0, 1.0, 0.0):
             self.clock.advance(0.01)
             self.picker.observe(EP, Sample(waiting, 2.0 if waiting else 0.0, 0.1), self.clock.monotonic())
 
     def route(self, tenant: str, n: int = 0) -> asyncio.Task[Routed]:
-        head = RequestHead("POST", "/v1/chat/completions", (f"Bearer k-{tenant}",), None, f"{tenant}-{n}", "")
-        body = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 90}).encode()
-        return asyncio.ensure_future(self.gateway.route(head, body))
+        return self.send(f"k-{tenant}", {"model": "m", "prompt": "x" * 40, "max_tokens": 90}, f"{tenant}-{n}")
 
     def committed(self) -> int:
         """Tokens committed on the model's endpoints by requests in flight."""
         return self.picker.ledger.total_committed()
-
-
-async def _settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
@@ -65,16 +50,16 @@ async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
     (await rig.route("ivy")).release()  # the top class was seen on the model
     first = await rig.route("bat", 1)
     second = rig.route("bat", 2)
-    await _settle()
+    await settle()
     assert not second.done() and len(rig.gateway.queues) == 1  # one slot of two kept free
     top = await rig.route("ivy", 2)  # ... for this one, at once, past the queued batch request
     assert top.primary == EP and not second.done()
     top.release()  # room again, but batch still leaves the last slot while ivy is recent
-    await _settle()
+    await settle()
     assert not second.done()
     rig.clock.advance(2.5)  # the window passes: batch may use every slot again
     first.release()
-    await _settle()
+    await settle()
     assert second.done()
     (await second).release()
     assert rig.committed() == 0
@@ -86,13 +71,13 @@ async def test_a_tenant_over_its_share_leaves_a_slot_for_one_under_it() -> None:
     rig.clock.advance(1.0)  # his tokens served fade (time constant: the 2 s window)
     first = await rig.route("alice", 1)  # nothing of hers served yet: under her share
     second = rig.route("alice", 2)
-    await _settle()
+    await settle()
     assert not second.done()  # alice was served more than bob lately: over her half
     under = await rig.route("bob", 2)  # bob, under his share, takes the last slot
     assert under.primary == EP
     for routed in (first, under):
         routed.release()
-    await _settle()
+    await settle()
     (await second).release()
     assert rig.committed() == 0
 
@@ -114,23 +99,23 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     assert rig.committed() == a.lease.tokens + b.lease.tokens > 0
     # Cancelled while queued: never counted.
     cancelled = rig.route("alice", 3)
-    await _settle()
+    await settle()
     cancelled.cancel()
-    await _settle()
+    await settle()
     # Rejected: the queue's TTL.
     timed_out = rig.route("alice", 4)
-    await _settle()
+    await settle()
     rig.clock.advance(1.5)
     rig.gateway.dispatch("m")
-    await _settle()
+    await settle()
     assert timed_out.done() and isinstance(timed_out.exception(), RateLimited)
     # Dispatched and cancelled in the same instant: the claim is released once.
     late = rig.route("alice", 5)
-    await _settle()
+    await settle()
     assert not late.done()
     b.release()
     late.cancel()
-    await _settle()
+    await settle()
     assert late.cancelled() and rig.committed() == a.lease.tokens > 0
     # Retried on another endpoint: the tokens move with the lease.
     rig.gateway.on_endpoints("m", (EP, OTHER))
@@ -154,17 +139,17 @@ async def test_a_protected_request_already_queued_passes_a_head_over_its_share()
     first = await rig.route("alice", 1)
     bob = await rig.route("bob", 1)  # bob, served one of four, takes the last slot
     second = rig.route("alice", 2)  # both slots full: queued first
-    await _settle()
+    await settle()
     queued = rig.route("bob", 2)  # bob, served two of five: protected, but no room either
-    await _settle()
+    await settle()
     assert not second.done() and not queued.done() and len(rig.gateway.queues) == 2
     bob.release()  # one slot frees: alice, served three of five, must leave it; bob may take it
-    await _settle()
+    await settle()
     assert queued.done() and not second.done()
     taken = await queued
     assert taken.primary == EP
     first.release()  # room alice may use: her queued head gets it
-    await _settle()
+    await settle()
     assert second.done()
     for routed in (taken, await second):
         routed.release()
@@ -201,12 +186,9 @@ async def test_only_a_protected_request_in_contention_prefers_a_fast_endpoint() 
 
 
 def test_the_models_declared_batch_limit_reaches_the_picker() -> None:
-    clock = FakeClock()
     data = _config({})
     data["models"][0]["max_num_seqs"] = 3
-    config = parse_config(data)
-    picker = Picker(clock, fallbacks=0, saturation=Saturation(room=True))
-    gateway = Gateway(config, clock, picker, Admission(config, clock))
-    gateway.on_endpoints("m", (EP, OTHER))
-    picker.observe(EP, Sample(0.0, 0.0, 0.1), clock.monotonic())  # no queue ever seen
+    rig = GatewayRig(data, (EP, OTHER))
+    picker = rig.picker
+    picker.observe(EP, Sample(0.0, 0.0, 0.1), rig.clock.monotonic())  # no queue ever seen
     assert picker.ledger.load(EP).limit == 3

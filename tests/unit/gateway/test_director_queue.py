@@ -4,19 +4,17 @@ leave holding nothing. FakeClock, no gRPC."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import pytest
 
-from modeldock.admission.limits import Admission
-from modeldock.clock import FakeClock
-from modeldock.config import hash_key, parse_config
+from modeldock.config import hash_key
 from modeldock.errors import BadRequest, RateLimited
-from modeldock.gateway import Gateway, Routed
+from modeldock.gateway import Routed
 from modeldock.gateway.request import RequestHead
-from modeldock.picking import Picker, Sample, Saturated, Saturation
+from modeldock.picking import Sample, Saturated
 from modeldock.types import Endpoint
+from tests.support.gateway_rig import GatewayRig, settle
 
 EP = Endpoint("10.0.0.1", 8000)
 KEYS = {"acme": "k-acme", "bulk": "k-bulk", "vip": "k-vip"}
@@ -36,24 +34,17 @@ def _config(queue: dict[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
-class Rig:
+class Rig(GatewayRig):
     def __init__(self, queue: dict[str, Any] | None = None, capacity: float = 1000.0) -> None:
-        self.clock = FakeClock()
-        config = parse_config(_config(queue))
-        self.picker = Picker(self.clock, fallbacks=0, saturation=Saturation(room=True))
-        self.admission = Admission(config, self.clock)
-        self.gateway = Gateway(config, self.clock, self.picker, self.admission)
-        self.gateway.on_endpoints("m", (EP,))
+        super().__init__(_config(queue), (EP,))
         self.observe(capacity=capacity)
 
     def observe(self, waiting: float = 0.0, kv: float = 0.0, capacity: float | None = None) -> None:
         self.picker.observe(EP, Sample(waiting, 0.0, kv, capacity=capacity), self.clock.monotonic())
 
     def route(self, max_tokens: int, tenant: str = "acme", priority: str = "") -> asyncio.Task[Routed]:
-        head = RequestHead("POST", "/v1/chat/completions", (f"Bearer {KEYS[tenant]}",), None,
-                           f"req-{tenant}-{max_tokens}", priority)
-        body = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": max_tokens}).encode()
-        return asyncio.ensure_future(self.gateway.route(head, body))
+        body = {"model": "m", "prompt": "x" * 40, "max_tokens": max_tokens}
+        return self.send(KEYS[tenant], body, f"req-{tenant}-{max_tokens}", priority)
 
     @property
     def queued(self) -> int:
@@ -65,20 +56,15 @@ class Rig:
         return tickets, self.picker.total_in_flight(), self.picker.total_committed()
 
 
-async def _settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
 async def test_queued_then_dispatched_when_a_lease_of_the_model_is_released() -> None:
     rig = Rig()
     first = await rig.route(590)  # ~600 tokens of 1000
     second = rig.route(590)
-    await _settle()
+    await settle()
     assert not second.done() and rig.queued == 1
     assert rig.held() == (2, 1, 600)  # admitted (its ticket held), not counted on an endpoint
     first.release()
-    await _settle()
+    await settle()
     assert second.done() and rig.queued == 0
     routed = second.result()
     assert routed.primary == EP and rig.held() == (1, 1, 600)
@@ -90,14 +76,14 @@ async def test_queued_then_dispatched_on_a_fresh_sample_showing_room() -> None:
     rig = Rig()
     rig.observe(waiting=3, kv=0.95)  # vLLM is queueing for memory
     task = rig.route(10)
-    await _settle()
+    await settle()
     assert rig.queued == 1 and not task.done()
     rig.clock.advance(0.5)
     rig.observe(waiting=3, kv=0.95)  # still full: stays queued
-    await _settle()
+    await settle()
     assert rig.queued == 1
     rig.observe(waiting=0, kv=0.5)
-    await _settle()
+    await settle()
     routed = task.result()
     # prompt (40 chars) + max_tokens
     assert rig.held() == (1, 1, routed.lease.tokens) and routed.lease.tokens == 10 + 10
@@ -109,14 +95,14 @@ async def test_cancelled_while_queued_leaves_nothing_behind() -> None:
     rig = Rig()
     first = await rig.route(590)
     waiting = rig.route(590)
-    await _settle()
+    await settle()
     assert rig.queued == 1
     waiting.cancel()  # the client went away: Envoy ends the ext_proc stream
-    await _settle()
+    await settle()
     assert waiting.cancelled() and rig.queued == 0
     assert rig.held() == (1, 1, 600)
     first.release()
-    await _settle()
+    await settle()
     assert rig.held() == (0, 0, 0)
     assert rig.gateway.queues.get("m").counts.cancelled == 1
 
@@ -125,10 +111,10 @@ async def test_ttl_gives_429_queue_timeout_with_retry_after_and_releases_the_tic
     rig = Rig(queue={"ttl_seconds": 3, "retry_after_seconds": 2})
     first = await rig.route(590)
     waiting = rig.route(590)
-    await _settle()
+    await settle()
     rig.clock.advance(3.0)
     rig.gateway.queues.expire()
-    await _settle()
+    await settle()
     with pytest.raises(RateLimited) as caught:
         waiting.result()
     assert caught.value.status == 429 and caught.value.code == "queue_timeout"
@@ -147,21 +133,21 @@ async def test_the_drain_budget_sheds_once_the_oldest_has_waited_half_of_max_wai
     assert rig.picker.ledger.speed("m") == pytest.approx(100)
     first = await rig.route(890)  # 900 of 1000 tokens
     second = rig.route(490)  # 500: waits
-    await _settle()
+    await settle()
     rig.clock.advance(0.49)
     young = rig.route(190)  # 500 ahead of it, 5 s of work: but the queue may be a passing burst
-    await _settle()
+    await settle()
     assert not young.done() and rig.queued == 2
     rig.clock.advance(0.01)  # the oldest has waited half of max_wait: it is not draining in time
     late = rig.route(90)
-    await _settle()
+    await settle()
     with pytest.raises(RateLimited) as caught:
         late.result()
     assert caught.value.code == "queue_full" and rig.queued == 2
     first.release()  # the two queued go in turn; the shed one holds nothing
-    await _settle()
+    await settle()
     (await second).release()
-    await _settle()
+    await settle()
     (await young).release()
     assert rig.held() == (0, 0, 0)
 
@@ -170,23 +156,23 @@ async def test_a_full_queue_sheds_the_lower_class_first() -> None:
     rig = Rig(queue={"max_length": 2})
     first = await rig.route(590)
     batch = [rig.route(590 + i, tenant="bulk") for i in range(2)]
-    await _settle()
+    await settle()
     assert rig.queued == 2
     vip = rig.route(450, tenant="vip")  # interactive: evicts the newest batch request (and does not fit yet)
-    await _settle()
+    await settle()
     with pytest.raises(RateLimited) as caught:
         batch[1].result()
     assert caught.value.code == "queue_full" and "Retry-After" in caught.value.headers
     another = rig.route(400, tenant="bulk")  # batch, into a full queue of no lower class: refused
-    await _settle()
+    await settle()
     with pytest.raises(RateLimited) as refused:
         another.result()
     assert refused.value.code == "queue_full"
     first.release()
-    await _settle()
+    await settle()
     assert vip.done() and not batch[0].done()  # the higher class went first
     vip.result().release()
-    await _settle()
+    await settle()
     batch[0].result().release()
     assert rig.held() == (0, 0, 0) and rig.queued == 0
 
@@ -195,11 +181,11 @@ async def test_dispatch_and_cancel_in_the_same_instant_count_once() -> None:
     rig = Rig()
     first = await rig.route(590)
     waiting = rig.route(590)
-    await _settle()
+    await settle()
     first.release()  # dispatches the waiter synchronously: its pick is counted...
     assert rig.held() == (1, 1, 600)
     waiting.cancel()  # ...and its client leaves before the task resumes
-    await _settle()
+    await settle()
     assert waiting.cancelled()
     assert rig.held() == (0, 0, 0)
     assert rig.gateway.queues.get("m").counts.abandoned == 1
@@ -209,15 +195,15 @@ async def test_newcomers_queue_behind_waiters_instead_of_jumping_them() -> None:
     rig = Rig()
     first = await rig.route(590)
     big = rig.route(590)
-    await _settle()
+    await settle()
     small = rig.route(50)  # would fit now, but a request waits: it joins the queue
-    await _settle()
+    await settle()
     assert rig.queued == 2 and not small.done()
     first.release()
-    await _settle()
+    await settle()
     assert big.done() and small.done()  # in fair order, both fit now
     big.result().release()
-    await _settle()
+    await settle()
     small.result().release()
     assert rig.held() == (0, 0, 0)
 
