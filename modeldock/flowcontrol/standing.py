@@ -16,10 +16,13 @@ at half a tenant's share still bring a second's clump of twice its mean rate now
 2 s average read that clump as "over its share" (measured: the quiet tenant's clump flipped both
 tenants' standing, and the flooding tenant's backlog took the room kept for the clump). A tenant
 that becomes active starts at its weighted share of what was recently served (the others keep
-their standing relative to one another), and the first tenant after a quiet spell starts the
-history afresh: otherwise a newcomer whose tokens are not in the average yet would look under
-its share -- protected -- for about `share_window` while it floods, and a tenant that was alone
-would look over it.
+their standing relative to one another): otherwise a newcomer whose tokens are not in the
+average yet would look under its share -- protected -- for about `share_window` while it floods,
+and a tenant that was alone would look over it. One that comes back starts at what it was served
+before it left (decayed since) when that is less: a quiet tenant sending a burst now and then
+stays protected. A tenant leaves the total when its window passes, and joins again when a
+request of its is dispatched after that (it waited in the queue): none of the total belongs to
+no one.
 
 Everything is O(1) per question (amortised; the class count is fixed by the config): the active
 tenants' weight sum is kept as they come and expire.
@@ -51,6 +54,8 @@ class _Model:
     expiries: list[tuple[float, str]] = field(default_factory=list)  # (active until, tenant), lazily pruned
     costs: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_SAMPLES))  # protected requests' costs
     served: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (decayed tokens, at)
+    # Tenants no longer active: their served tokens when they left (outside the total), decaying on.
+    gone: dict[str, tuple[float, float]] = field(default_factory=dict)
     served_total: tuple[float, float] = (0.0, 0.0)  # all tenants' (decayed tokens, at)
     kept: int | None = None  # the quantile of `costs`, computed when asked after a change
     stale_kept: bool = False
@@ -74,12 +79,16 @@ class Standing:
         now = self._clock.monotonic()
         m = self._model(model)
         m.classes[priority] = now
-        until = now + self.window
+        self._activate(m, tenant, weight, now)
+
+    def _activate(self, m: _Model, tenant: str, weight: float, now: float) -> None:
+        """`tenant` is active for the next `window` (joining if it was not)."""
         self._expire(m, now)
         before = m.tenants.get(tenant)
         if before is None:
             self._joins(m, tenant, weight, now)
         m.weights += weight - (before[1] if before is not None else 0.0)
+        until = now + self.window
         m.tenants[tenant] = (until, weight)
         heapq.heappush(m.expiries, (until, tenant))
         if len(m.expiries) > 4 * len(m.tenants) + 64:  # refreshed entries pile up: keep only the live ones
@@ -87,17 +96,20 @@ class Standing:
             heapq.heapify(m.expiries)
 
     def _joins(self, m: _Model, tenant: str, weight: float, now: float) -> None:
-        """`tenant` becomes active: it starts at its weighted share of the recent total (the total
-        grows by as much, so every other tenant's standing relative to the rest is unchanged);
-        the first after a quiet spell clears the history."""
+        """`tenant` becomes active: it starts at its weighted share of the recent total, or at what
+        it was served before it left if that is less (a quiet tenant that comes back now and then
+        stays protected); the total grows by as much, so every other tenant's standing relative to
+        the rest is unchanged. The first after a quiet spell starts the total afresh."""
+        total = self._decayed(m.served_total, now) - self._decayed(m.served.pop(tenant, None), now)
         if m.weights <= 0.0:
-            m.served.clear()
-            m.served_total = (0.0, now)
-            return
-        total = self._decayed(m.served_total, now)
-        start = total * weight / m.weights
+            total = 0.0
+            m.served.clear()  # inactive remainders (see `served`) belong to no one now
+        start = total * weight / m.weights if m.weights > 0.0 else 0.0
+        earlier = m.gone.pop(tenant, None)
+        if earlier is not None:
+            start = min(start, self._decayed(earlier, now))
         m.served[tenant] = (start, now)
-        m.served_total = (total + start, now)
+        m.served_total = (max(0.0, total) + start, now)
 
     def protected(self, model: str, cost: int) -> None:
         """A protected request of `cost` tokens went to `model`: what the kept room should fit.
@@ -125,10 +137,15 @@ class Standing:
         self._expire(m, self._clock.monotonic())
         return m.weights
 
-    def served(self, model: str, tenant: str, tokens: int) -> None:
-        """A request of `tenant` costing `tokens` was dispatched to `model` (sent to an endpoint)."""
+    def served(self, model: str, tenant: str, tokens: int, weight: float = 1.0) -> None:
+        """A request of `tenant` (at `weight`) costing `tokens` was dispatched to `model` (sent to an
+        endpoint). It makes the tenant active: one whose request waited in the queue longer than
+        the window joins again, rather than stand outside the total as if protected."""
         m = self._model(model)
         now = self._clock.monotonic()
+        self._expire(m, now)
+        if tenant not in m.tenants:
+            self._activate(m, tenant, weight, now)
         m.served[tenant] = (self._decayed(m.served.get(tenant), now) + tokens, now)
         m.served_total = (self._decayed(m.served_total, now) + tokens, now)
 
@@ -191,8 +208,9 @@ class Standing:
             if held is not None and held[0] == until:
                 del m.tenants[tenant]
                 m.weights -= held[1]
-                gone = m.served.pop(tenant, None)  # it starts afresh if it comes back
+                gone = m.served.pop(tenant, None)  # remembered outside the total, for its return
                 if gone is not None:  # ...and the others' standing is among themselves
+                    m.gone[tenant] = gone
                     m.served_total = (max(0.0, self._decayed(m.served_total, now) - self._decayed(gone, now)), now)
         if not m.tenants:
             m.weights = 0.0  # no float drift left behind

@@ -290,7 +290,7 @@ class Gateway:
             try:
                 pick = self.picker.pick(model, prefix, cost=cost, subset=subset, prefer_fast=fast, output=output,
                                         **headroom)
-                self.standing.served(model, tenant.id, cost)
+                self.standing.served(model, tenant.id, cost, tenant.weight)
                 return pick
             except Saturated:
                 if not self.queues.config.enabled:
@@ -353,7 +353,7 @@ class Gateway:
                                     prefer_fast=self._prefer_fast(model, tenant, priority, headroom), **headroom)
         except Saturated:
             return None
-        self.standing.served(model, tenant, cost)
+        self.standing.served(model, tenant, cost, weight)
         return pick
 
     def _passes(self, headroom: _Headroom) -> bool:

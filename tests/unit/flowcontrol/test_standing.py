@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 from modeldock.clock import FakeClock
 from modeldock.flowcontrol.standing import KEPT_SAMPLES, Standing
@@ -22,7 +23,7 @@ def test_a_higher_class_seen_within_the_window_makes_lower_classes_leave_headroo
 
 def _served(standing: Standing, tenant: str, tokens: int, weight: float = 1.0) -> None:
     standing.seen("m", tenant, weight, 1)
-    standing.served("m", tenant, tokens)
+    standing.served("m", tenant, tokens, weight)
 
 
 def test_a_tenant_served_over_its_weighted_share_of_the_tokens_leaves_headroom() -> None:
@@ -132,6 +133,69 @@ def test_a_tenant_that_leaves_takes_its_part_of_the_total_with_it() -> None:
     assert standing.active_weight("m") == 2.0
     assert standing.must_leave_headroom("m", "alice", 1.0, 1)
     assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+
+
+def test_a_quiet_tenant_that_comes_back_now_and_then_stays_protected() -> None:
+    # bob sends four requests at once every 5 s (his window of 2 s passes in between) while alice
+    # floods: back, he starts at what he was served before he left when that is less than his
+    # share, so only his very first burst finds him at his share (a newcomer could be a flood).
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    over: list[int] = []
+    for step in range(300):  # 30 s
+        clock.advance(0.1)
+        _served(standing, "alice", 300)
+        if step % 50 == 0:
+            over.append(0)
+            for _ in range(4):
+                standing.seen("m", "bob", 1.0, 1)
+                over[-1] += standing.must_leave_headroom("m", "bob", 1.0, 1)
+                standing.served("m", "bob", 300)
+    assert over[0] == 3 and over[1:] == [0] * 5
+
+
+def test_a_request_dispatched_after_its_tenant_went_quiet_joins_again() -> None:
+    # bob's request waited in the queue longer than the window: dispatched, he is active again,
+    # inside the total, at what he had when he left (less than his share) plus this request.
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    standing.seen("m", "bob", 1.0, 1)
+    for _ in range(30):
+        clock.advance(0.1)
+        _served(standing, "alice", 300)
+    assert standing.active_weight("m") == 1.0  # bob's window passed
+    standing.served("m", "bob", 300)
+    assert standing.active_weight("m") == 2.0
+    m = standing._models["m"]
+    now = clock.monotonic()
+    parts = sum(standing._decayed(entry, now) for entry in m.served.values())
+    assert abs(standing._decayed(m.served_total, now) - parts) < 1e-6  # no tokens belong to no one
+    assert abs(standing.served_tokens("m", "bob") - 300) < 1e-6  # he had nothing before: 0 + 300
+    assert not standing.must_leave_headroom("m", "bob", 1.0, 1)
+
+
+def test_the_total_is_the_sum_of_the_active_tenants_parts() -> None:
+    rng = random.Random(7)
+    clock = FakeClock()
+    standing = Standing(clock, window=2.0, share_window=10.0)
+    tenants = {"alice": 1.0, "bob": 2.0, "carol": 0.5}
+    for _ in range(3000):
+        clock.advance(rng.choice((0.01, 0.1, 0.5, 2.5)))
+        tenant = rng.choice(list(tenants))
+        if rng.random() < 0.5:
+            standing.seen("m", tenant, tenants[tenant], 1)
+        else:
+            standing.served("m", tenant, rng.randrange(1, 1000), tenants[tenant])
+        standing.active_weight("m")  # expire who is due
+        m = standing._models["m"]
+        now = clock.monotonic()
+        assert set(m.served) <= set(m.tenants)
+        parts = sum(standing._decayed(entry, now) for entry in m.served.values())
+        total = standing._decayed(m.served_total, now)
+        assert abs(total - parts) <= 1e-6 * max(1.0, total)
+        alone = len(m.tenants) == 1 and next(iter(m.tenants))
+        if alone:
+            assert not standing.must_leave_headroom("m", alone, tenants[alone], 1)
 
 
 def _clump(share_window: float) -> bool:
