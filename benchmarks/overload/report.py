@@ -83,7 +83,8 @@ def section_setup(saved: dict[str, Any]) -> str:
 {declared(a)}
 Requests: {1 - mix['long_fraction']:.0%} short answers ({mix['short_tokens']} tokens), {mix['long_fraction']:.0%} long
 generations ({mix['long_tokens']} tokens), prompts of {mix['prompt_tokens'][0]}-{mix['prompt_tokens'][1]} tokens,
-streamed. Every schedule is open loop (Poisson arrivals at a fixed rate whatever the answers) and seeded, so each config
+streamed; kinds are dealt in blocks of 20, so every stretch of a schedule (the capacity run's too) has this mix.
+Every schedule is open loop (Poisson arrivals at a fixed rate whatever the answers) and seeded, so each config
 gets exactly the same requests at the same offsets. One fresh stack per config, configs run one after another
 (one pass; the machine's drift is not averaged out, compare the load column). TTFT is measured by the client from
 send to the first content chunk (gateway queueing included), over served requests only; E2E to `[DONE]`.

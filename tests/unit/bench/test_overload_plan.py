@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.overload.plan import (
     CONFIGS,
+    KIND_BLOCK,
     TENANTS,
     GatewayConfig,
     Mix,
@@ -119,6 +120,19 @@ def test_arrivals_rate_window_mix_and_indexes() -> None:
     gaps = [b.at - a.at for a, b in itertools.pairwise(reqs)]
     assert abs(statistics.fmean(gaps) - 1 / 50) < 0.003  # exponential gaps of mean 1/rate
     assert len({r.messages[0]["content"][:16] for r in reqs}) == len(reqs)  # no shared prefix block
+
+
+def test_every_block_of_a_schedule_has_the_mixs_long_fraction() -> None:
+    # A capacity run and an overload phase then see the same mix, whatever stretch each takes.
+    for fraction, per_block in ((0.2, [4]), (0.25, [5]), (0.33, [7, 6])):
+        reqs = arrivals(5, "ovl", 40.0, 30.0, Mix(long_fraction=fraction))
+        counts = [sum(r.kind == "long" for r in reqs[i:i + KIND_BLOCK])
+                  for i in range(0, len(reqs) - KIND_BLOCK + 1, KIND_BLOCK)]
+        assert set(counts) == set(per_block), (fraction, counts)
+        longs = sum(r.kind == "long" for r in reqs[:len(counts) * KIND_BLOCK])
+        assert abs(longs - fraction * len(counts) * KIND_BLOCK) <= 0.5
+        # Within a block the order is drawn: not every block the same.
+        assert len({tuple(r.kind for r in reqs[i:i + KIND_BLOCK]) for i in range(0, 200, KIND_BLOCK)}) > 1
 
 
 def test_only_short_has_no_long_requests_and_closed_loop_count() -> None:
