@@ -137,7 +137,7 @@ class Standing:
         self._expire(m, self._clock.monotonic())
         return m.weights
 
-    def served(self, model: str, tenant: str, tokens: int, weight: float = 1.0) -> None:
+    def served(self, model: str, tenant: str, tokens: int, weight: float) -> None:
         """A request of `tenant` (at `weight`) costing `tokens` was dispatched to `model` (sent to an
         endpoint). It makes the tenant active: one whose request waited in the queue longer than
         the window joins again, rather than stand outside the total as if protected."""

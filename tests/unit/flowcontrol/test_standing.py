@@ -150,7 +150,7 @@ def test_a_quiet_tenant_that_comes_back_now_and_then_stays_protected() -> None:
             for _ in range(4):
                 standing.seen("m", "bob", 1.0, 1)
                 over[-1] += standing.must_leave_headroom("m", "bob", 1.0, 1)
-                standing.served("m", "bob", 300)
+                standing.served("m", "bob", 300, 1.0)
     assert over[0] == 3 and over[1:] == [0] * 5
 
 
@@ -164,7 +164,7 @@ def test_a_request_dispatched_after_its_tenant_went_quiet_joins_again() -> None:
         clock.advance(0.1)
         _served(standing, "alice", 300)
     assert standing.active_weight("m") == 1.0  # bob's window passed
-    standing.served("m", "bob", 300)
+    standing.served("m", "bob", 300, 1.0)
     assert standing.active_weight("m") == 2.0
     m = standing._models["m"]
     now = clock.monotonic()
