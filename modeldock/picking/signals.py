@@ -194,14 +194,21 @@ class Load:
         return free >= 0.1
 
     def rebase(self, mark: int, in_flight_at: int | None) -> None:
-        """A new sample reflecting the picks up to `mark`; `in_flight_at` requests
-        were in flight when it was taken (None: as many as now)."""
-        if in_flight_at is None:
-            self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, 0, 0, 0
-            self.new_outputs = 0
-            return
-        # Picks since the page arrived: the newest leases above the count then.
-        extra = len(self.leases) - in_flight_at
+        """A new sample (`self.sample`) reflecting the picks up to `mark`; `in_flight_at` requests
+        were in flight when it was taken (None: as many as now).
+
+        Picks since the page arrived are the newest leases above the count then. So are as many of
+        the leases of then as the page does not show (running + waiting below the count): a request
+        picked just before the page that had not reached the backend yet, or one that finished
+        there and is not released here yet. Read as reflected, the first would free its slot and
+        KV until the next page (a third request went to a backend with two slots); counted as new,
+        the second comes off again as `gone` when it is released. Other gateways' requests in the
+        page can hide ours (the count only ever raises the estimate)."""
+        at = len(self.leases) if in_flight_at is None else in_flight_at
+        sample = self.sample
+        shown = sample.running + sample.waiting if sample is not None else float(at)
+        unseen = at - int(shown) if shown < at else 0
+        extra = len(self.leases) - at + unseen
         if extra > 0:
             ordered = sorted(self.leases)
             self.mark = ordered[-extra] - 1

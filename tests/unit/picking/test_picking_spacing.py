@@ -225,6 +225,37 @@ def test_picks_after_page_arrival_stay_new_when_they_finish(make_picker: MakePic
     assert (picker.signals(a).waiting, picker.signals(a).running) == (0.0, 0.0)
 
 
+def test_a_pick_the_page_does_not_show_yet_still_holds_its_slot(make_picker: MakePicker, clock: FakeClock) -> None:
+    # Two picks, then a page taken before either reached the backend: it shows nothing running.
+    # Read as reflected, the slots would look free until the next page.
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    first, second = picker.pick("m").lease, picker.pick("m").lease
+    picker.observe(a, Sample(waiting=0, running=0, kv=0.0), clock.monotonic(), in_flight_at=picker.in_flight(a))
+    assert picker.signals(a).running + picker.signals(a).waiting == 2.0
+    # The next page shows them running: no longer counted twice.
+    picker.observe(a, Sample(waiting=0, running=2, kv=0.2), clock.monotonic(), in_flight_at=picker.in_flight(a))
+    assert (picker.signals(a).waiting, picker.signals(a).running) == (0.0, 2.0)
+    first.release()
+    second.release()
+    assert (picker.signals(a).waiting, picker.signals(a).running) == (0.0, 0.0)
+
+
+def test_a_request_finished_at_the_backend_before_its_release_is_not_freed_twice(
+        make_picker: MakePicker, clock: FakeClock) -> None:
+    # Three in flight; the page shows two (one finished there, its stream not ended here yet).
+    # Its release must not free a second slot.
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    leases = [picker.pick("m").lease for _ in range(3)]
+    picker.observe(a, Sample(waiting=0, running=2, kv=0.3), clock.monotonic(), in_flight_at=3)
+    assert picker.signals(a).running + picker.signals(a).waiting == 3.0
+    leases[0].release()
+    assert picker.signals(a).running + picker.signals(a).waiting == 2.0
+
+
 _ops = st.lists(
     st.one_of(
         st.just(("pick", 0)),
