@@ -6,6 +6,8 @@ past the queue's TTL gets the JSON 429 with Retry-After."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -14,12 +16,13 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.stack import Stack, running_stack, wait_until
+from tests.support.stack import API_KEY, Stack, running_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "hello"}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 KV_TOKENS = 16 * 16
 TTL = 1.5
 SLOTS = 2
@@ -72,6 +75,25 @@ class Stream(threading.Thread):
                     self.text += chunk.choices[0].delta.content
         except Exception as exc:  # noqa: BLE001 (recorded for the test to check)
             self.error = exc
+
+
+async def _leave_once_queued(stack: Stack, max_tokens: int) -> None:
+    """Send a completion with the async openai client and cancel it (closing its connection) once
+    the queue holds it: a client that leaves while queued, at a moment the test controls."""
+    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key=API_KEY, max_retries=0)
+    call = asyncio.ensure_future(client.chat.completions.create(model="demo-model", messages=MSG,
+                                                                max_tokens=max_tokens))
+    try:
+        queued = asyncio.ensure_future(asyncio.to_thread(
+            wait_until, lambda: stack.metric("modeldock_queue_length") == 1, TTL - 0.3, what="the leaver queued"))
+        await asyncio.wait([call, queued], return_when=asyncio.FIRST_COMPLETED)
+        assert not call.done(), "the request was answered before it could leave"
+        await queued  # raises if it never queued
+    finally:
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await client.close()
 
 
 @pytest.mark.timeout(60)
@@ -154,13 +176,9 @@ def test_a_client_that_leaves_while_queued_is_dropped_at_once(stack: Stack) -> N
     first.start()
     wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
     # ~205 tokens: while it runs the first can grow by that much too, 410 > 256: it waits (a short one
-    # would go on: the first cannot grow past the cache before it is done).
-    leaver = Stream(stack, 199, timeout=1.5)  # gives up while queued
-    leaver.start()
-    # Queued before the client gives up (under load the request can take a while to get there).
-    wait_until(lambda: stack.metric("modeldock_queue_length") == 1, 1.4, what="the leaver queued")
-    leaver.join(10)
-    assert isinstance(leaver.error, openai.APITimeoutError)
+    # would go on: the first cannot grow past the cache before it is done). The client leaves once
+    # the request is queued: a task cancelled closes its connection (a client timeout raced the TTL).
+    asyncio.run(_leave_once_queued(stack, max_tokens=199))
     wait_until(lambda: stack.metric("modeldock_queue_cancelled_total") == cancelled + 1, 5,
                what="the queue dropped the request")
     assert stack.metric("modeldock_queue_length") == 0
