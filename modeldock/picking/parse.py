@@ -61,7 +61,8 @@ def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sa
     averaged and clamped to [0, 1], since a sum of fractions means nothing.
     Prefers the `vllm:` spelling and `kv_cache_usage_perc` over the older
     `gpu_cache_usage_perc` when a page carries both. The token counters
-    (prompt + generation, summed) become `tokens_total`; with `capacity`, the
+    (prompt + generation, summed) become `tokens_total`, the generation counter alone
+    `generated_total`; with `capacity`, the
     KV capacity in tokens from `cache_config_info` (summed over engines).
     """
     totals: dict[tuple[str, str], float] = {}
@@ -106,4 +107,5 @@ def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sa
         kv=min(1.0, max(0.0, kv)),
         capacity=float(sum(engines.values())) if engines else None,
         tokens_total=tokens,
+        generated_total=generated,
     )

@@ -37,14 +37,56 @@ def held_tokens(s: Signals, output: int | None) -> float:
     "Now" is the sample's KV plus the prompts of the requests picked since it (their committed
     tokens less their output limits: a request's KV starts as its prompt and grows like every
     other sequence, which the output term counts, since they are among the waiting), plus what
-    the endpoint could have produced since the sample at its learned speed (an over-estimate: the
-    speed counts prompt tokens too). Waiting requests in the sample count among the sequences
-    that grow."""
+    the endpoint's sequences have grown since the sample at its learned output rate (`growth`,
+    from vllm:generation_tokens_total; prefills are the prompts above; a page without that
+    counter falls back to the whole token rate, `speed`, prompts included: an over-estimate).
+    Waiting requests in the sample count among the sequences that grow."""
     committed = float(s.committed)
-    if output is None or not s.fresh or s.speed <= 0 or s.capacity <= 0:
+    now = _growing_now(s) if output is not None else None
+    if now is None or output is None:
         return committed
-    now = s.kv * s.capacity + s.new_tokens - s.new_outputs + s.age * s.speed
     return min(committed, now + (s.running + s.waiting) * output)
+
+
+def _growing_now(s: Signals) -> float | None:
+    """The KV the endpoint's sequences hold now (see `held_tokens`); None without a fresh sample
+    and a learned rate."""
+    rate = s.growth if s.growth > 0 else s.speed
+    if not s.fresh or rate <= 0 or s.capacity <= 0:
+        return None
+    return s.kv * s.capacity + s.new_tokens - s.new_outputs + s.age * rate
+
+
+def fits_as_they_finish(s: Signals, cost: int, output: int, capacity: float) -> bool:
+    """Whether a request (`cost` tokens, `output` of them its output limit) fits beside the
+    endpoint's sequences, counting that each of this gateway's is done within its own output
+    limit (`Signals.ends`) and frees its KV then: a long request joins short ones whose limits
+    it would not fit beside, because they are gone before it has grown. At step k of the new
+    request (it holds its prompt + k) the others hold at most their committed tokens, and at
+    most what they hold now plus k each, counting only those whose limit is above k (a sequence
+    with limit o has at most o steps left); the peak is at the last step one of them may still
+    run (k = o - 1) or at the new one's last. Sequences of no known limit (other gateways', the
+    backend's queue, ours that did not say theirs) run throughout. Needs a fresh sample and a
+    learned rate (else False: `held_tokens` decides alone)."""
+    now = _growing_now(s)
+    ends = s.ends
+    if now is None or not ends:
+        return False
+    prompt = cost - output
+    n = len(ends)
+    unknown = max(float(s.in_flight), s.running + s.waiting) - n  # run throughout
+    committed = float(s.committed)  # ours that may still run, lowered as they finish
+    i = 0
+    while True:
+        k = output if i >= n or ends[i][0] - 1 >= output else ends[i][0] - 1
+        if min(committed, now + (unknown + n - i) * k) + prompt + k > capacity:
+            return False
+        if k == output:
+            return True
+        limit = ends[i][0]
+        while i < n and ends[i][0] == limit:  # done by the next step: their KV is free
+            committed -= ends[i][1]
+            i += 1
 
 
 @dataclass(frozen=True)
@@ -119,7 +161,8 @@ class Saturation:
             if headroom_tokens and capacity > 0:
                 # At most half the cache is kept: the others' share never goes to nothing.
                 capacity -= min(float(headroom_tokens), capacity / 2)
-            if s.in_flight and capacity > 0 and held_tokens(s, output) + cost > capacity:
+            if (s.in_flight and capacity > 0 and held_tokens(s, output) + cost > capacity
+                    and (output is None or not fits_as_they_finish(s, cost, output, capacity))):
                 return True
             if s.fresh:
                 kv = s.kv

@@ -18,6 +18,8 @@ class Sample:
     capacity: float | None = None
     # vllm:prompt_tokens_total + vllm:generation_tokens_total (counters); None: not on the page.
     tokens_total: float | None = None
+    # vllm:generation_tokens_total alone: how fast running sequences grow their KV; None: not on the page.
+    generated_total: float | None = None
 
 
 class Signals(NamedTuple):
@@ -43,6 +45,12 @@ class Signals(NamedTuple):
     age: float = 0.0  # seconds since the sample was taken (fresh only; 0 otherwise)
     # The output limits within `new_tokens` (of the picks that said theirs): not in any cache yet.
     new_outputs: int = 0
+    # Output tokens/second while busy (vllm:generation_tokens_total): how fast the KV of the
+    # sequences running there grows; 0: unknown.
+    growth: float = 0.0
+    # (output limit, committed tokens) of this gateway's requests there that said their output
+    # limit, shortest first: each is done within that many steps, and frees its KV then.
+    ends: tuple[tuple[int, int], ...] = ()
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -77,17 +85,20 @@ class Load:
     """
 
     __slots__ = ("capacity", "committed", "counted_at", "counter", "declared", "failures", "gone", "gone_tokens",
-                 "last_pick", "leases", "new_outputs", "outputs",
-                 "drain", "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
+                 "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated", "growth",
+                 "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
         self.outputs: dict[int, int] = {}  # sequence number -> the output limit within them, when known
         self.new_outputs = 0  # the output limits of the leases above `mark`
+        self.ends: tuple[tuple[int, int], ...] | None = ()  # Signals.ends; None: to build again
         self.committed = 0  # sum of the leases' tokens
         self.new_tokens = 0  # tokens of the leases above `mark`
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
+        self.growth = 0.0  # output tokens/second while busy, smoothed (0: unknown)
+        self.generated: float | None = None  # the last output token counter reading
         self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
         self.declared = 0.0  # the batch limit the config gives (models[].max_num_seqs; 0: none, learn it)
         self.drain = 0.0  # tokens/s while full (waiting or at the batch limit at both pages), smoothed; 0: unknown
@@ -109,6 +120,7 @@ class Load:
     def add(self, seq: int, tokens: int = 0, output: int = 0) -> None:
         self.leases[seq] = tokens
         self.committed += tokens
+        self.ends = None
         self.new += 1  # seq is the newest number: always above the mark
         self.new_tokens += tokens
         if output:
@@ -122,6 +134,7 @@ class Load:
             return 0
         tokens = self.leases.pop(seq)
         output = self.outputs.pop(seq, 0)
+        self.ends = None
         self.committed -= tokens
         if seq > self.mark:
             self.new -= 1
@@ -142,7 +155,8 @@ class Load:
         changes (learned as a limit, a cache full of long generations once kept the short ones
         that came later to fewer slots for good). Running above the limit raises it. Speed from
         the token counters between two pages, only over intervals the server was busy (an idle
-        server's rate says nothing about how fast it can go), smoothed (EWMA 0.3). A counter
+        server's rate says nothing about how fast it can go), smoothed (EWMA 0.3); growth likewise from
+        the output token counter alone (the rate the running sequences' KV grows). A counter
         going backwards (a restart) starts over, the limit too (back to the declared one).
         A declared limit (`declare`, the config's max_num_seqs) stands in for the learning: a
         backend the gateway keeps from queueing may never show its limit."""
@@ -158,8 +172,8 @@ class Load:
             self.limit = sample.running
         if total is None:
             return
-        previous, since = self.counter, self.counted_at
-        self.counter, self.counted_at = total, taken_at
+        previous, since, generated = self.counter, self.counted_at, self.generated
+        self.counter, self.counted_at, self.generated = total, taken_at, sample.generated_total
         if previous is None or taken_at <= since or total < previous:
             return
         busy = sample.running > 0 or (self.sample is not None and self.sample.running > 0)
@@ -167,6 +181,9 @@ class Load:
             return
         rate = (total - previous) / (taken_at - since)
         self.speed = rate if self.speed <= 0 else 0.7 * self.speed + 0.3 * rate
+        if generated is not None and sample.generated_total is not None and sample.generated_total >= generated:
+            grew = (sample.generated_total - generated) / (taken_at - since)
+            self.growth = grew if self.growth <= 0 else 0.7 * self.growth + 0.3 * grew
         # How fast it works through a queue: only intervals it was full all along (at both pages a
         # queue, or its batch limit running: a backend the gateway keeps from queueing is full
         # there). `speed` follows the load it was given and so reads low after a quiet spell,
@@ -220,14 +237,22 @@ class Load:
             self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, -extra, 0, 0
             self.new_outputs = 0
 
+    def _ends(self) -> tuple[tuple[int, int], ...]:
+        ends = self.ends
+        if ends is None:
+            leases = self.leases
+            ends = self.ends = tuple(sorted((out, leases[seq]) for seq, out in self.outputs.items()))
+        return ends
+
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
         in_flight = len(self.leases)
+        ends = self._ends()
         if sample is None or now - self.taken_at > stale_after:
             return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
-                           self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs)
+                           self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs, self.growth, ends)
         waiting, running = correct(sample, self.new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
                        self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens,
-                       now - self.taken_at, self.new_outputs)
+                       now - self.taken_at, self.new_outputs, self.growth, ends)

@@ -1,12 +1,13 @@
 """The tokens rule with the output limit known: a short request joins long ones whose full limits
-would not fit together, because none of them can grow by more than its own output while it runs."""
+would not fit together, because none of them can grow by more than its own output while it runs;
+a long request joins short ones, because they are done (and free their KV) before it has grown."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from modeldock.picking.saturation import Saturation, held_tokens
+from modeldock.picking.saturation import Saturation, fits_as_they_finish, held_tokens
 from modeldock.picking.signals import Signals
 
 ROOM = Saturation(room=True, kv_full=1.0)
@@ -15,9 +16,11 @@ CAPACITY = 1800.0
 
 def _signals(*, running: float = 3, kv: float = 0.5, committed: int = 1500, fresh: bool = True,
              speed: float = 400.0, age: float = 0.0, new_tokens: int = 0, waiting: float = 0.0,
-             new_outputs: int = 0) -> Signals:
+             new_outputs: int = 0, growth: float = 0.0, ends: tuple[tuple[int, int], ...] = (),
+             capacity: float = CAPACITY) -> Signals:
     return Signals(int(running + waiting), fresh, waiting if fresh else 0.0, running if fresh else 0.0,
-                   kv if fresh else 0.0, None, committed, CAPACITY, speed, new_tokens, 0.0, 0.0, 0, age, new_outputs)
+                   kv if fresh else 0.0, None, committed, capacity, speed, new_tokens, 0.0, 0.0, 0, age, new_outputs,
+                   growth, ends)
 
 
 def test_a_short_request_fits_where_the_full_limits_would_not() -> None:
@@ -55,26 +58,58 @@ def test_stale_samples_or_unknown_speed_fall_back_to_the_committed_limits() -> N
     assert held_tokens(_signals(), None) == 1500
 
 
+def test_what_was_produced_since_the_sample_counts_at_the_output_rate_when_known() -> None:
+    # 1.2 s at 400 tokens/s (prompts and outputs) would be 480 tokens; at 50 output tokens/s, 60.
+    assert ROOM.over(_signals(age=1.2), cost=400, output=32)
+    assert not ROOM.over(_signals(age=1.2, growth=50.0), cost=400, output=32)
+
+
+def test_a_long_request_joins_short_ones_that_are_done_before_it_has_grown() -> None:
+    # Three sequences hold 900 now; two are short (limit 32, 400 committed each), one long (limit
+    # 256, 700 committed). A long request of 600 (256 of output): 1500 + 600 > 1800 committed, and
+    # 900 + 3 x 256 + 600 > 1800 growing; but after 32 steps the short ones are gone: at step 31 at
+    # most 900 + 3 x 31 + 344 + 31 = 1368, at its last step 700 + 344 + 256 = 1300.
+    s = _signals(ends=((32, 400), (32, 400), (256, 700)))
+    assert held_tokens(s, 256) + 600 > CAPACITY
+    assert fits_as_they_finish(s, 600, 256, CAPACITY)
+    assert not ROOM.over(s, cost=600, output=256)
+    # Without the limits (another gateway's sequences, or requests that did not say), it waits.
+    assert ROOM.over(_signals(), cost=600, output=256)
+    # The long one it would meet still counts: holding 1080 now, with 1300 committed, it does not
+    # fit (at its last step min(1300, 1080 + 256) + 344 + 256 = 1900).
+    s = _signals(kv=0.6, committed=2100, ends=((32, 400), (32, 400), (256, 1300)))
+    assert ROOM.over(s, cost=600, output=256)
+    assert not ROOM.over(s, cost=500, output=256)
+
+
+def test_finishing_is_not_counted_from_a_stale_sample() -> None:
+    assert not fits_as_they_finish(_signals(fresh=False, ends=((32, 400),)), 600, 256, CAPACITY)
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=6),
     st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), max_size=3),
-    st.integers(1, 600), st.integers(1, 300),
+    st.integers(1, 600), st.integers(1, 300), st.lists(st.booleans(), min_size=9, max_size=9),
+    st.floats(0.0, 300.0),
 )
 def test_admitted_requests_never_push_the_batch_past_capacity(
-    others: list[tuple[int, int, int]], picked: list[tuple[int, int]], prompt: int, output: int
+    others: list[tuple[int, int, int]], picked: list[tuple[int, int]], prompt: int, output: int,
+    said: list[bool], growth: float,
 ) -> None:
     """Simulate continuous batching one token per step: whenever the rule admits the new request
     next to sequences (prompt, limit, produced so far) in the sample and requests picked since it
     (prompt, limit: not in the sample's KV, starting now), their KV never exceeds the capacity
-    before the new one finishes (after that it holds nothing)."""
+    before the new one finishes (after that it holds nothing). Some of them said their output
+    limit (`ends`: done within it), the others did not."""
     seqs = [(p, m, min(done, m - 1)) for p, m, done in others] + [(p, m, 0) for p, m in picked]
     held_now = sum(p + done for p, _, done in seqs[:len(others)])
     committed = sum(p + m for p, m, _ in seqs)
     if held_now > CAPACITY:
         return
     s = _signals(running=len(others), kv=held_now / CAPACITY, committed=committed, waiting=len(picked),
-                 new_tokens=sum(p + m for p, m in picked), new_outputs=sum(m for _, m in picked))
+                 new_tokens=sum(p + m for p, m in picked), new_outputs=sum(m for _, m in picked), growth=growth,
+                 ends=tuple(sorted((m, p + m) for (p, m, _), known in zip(seqs, said, strict=False) if known)))
     if ROOM.over(s, cost=prompt + output, output=output):
         return
     for step in range(output + 1):
@@ -83,3 +118,30 @@ def test_admitted_requests_never_push_the_batch_past_capacity(
             if done + step < m:  # still running at this step
                 total += p + done + step
         assert total <= CAPACITY
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=6),
+    st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), max_size=3),
+    st.integers(1, 600), st.integers(1, 300), st.lists(st.booleans(), min_size=9, max_size=9),
+    st.integers(1, 40),
+)
+def test_the_rule_refuses_just_below_the_batch_peak(
+    others: list[tuple[int, int, int]], picked: list[tuple[int, int]], prompt: int, output: int,
+    said: list[bool], below: int,
+) -> None:
+    """The same batches, with the capacity set a few tokens below the peak they would reach (the
+    worst case, every sequence at its first step, is where a bound that is slightly off shows):
+    the rule must refuse, whichever sequences said their limits."""
+    seqs = [(p, m, min(done, m - 1)) for p, m, done in others] + [(p, m, 0) for p, m in picked]
+    peak = max(prompt + step + sum(p + done + step for p, m, done in seqs if done + step < m)
+               for step in range(output + 1))
+    capacity = float(peak - below)
+    held_now = sum(p + done for p, _, done in seqs[:len(others)])
+    assume(held_now <= capacity)
+    s = _signals(running=len(others), kv=held_now / capacity, committed=sum(p + m for p, m, _ in seqs),
+                 waiting=len(picked), new_tokens=sum(p + m for p, m in picked),
+                 new_outputs=sum(m for _, m in picked), capacity=capacity,
+                 ends=tuple(sorted((m, p + m) for (p, m, _), known in zip(seqs, said, strict=False) if known)))
+    assert ROOM.over(s, cost=prompt + output, output=output)
