@@ -63,6 +63,18 @@ class Band(Generic[T]):
         """Every flow's head, in the order fair queueing would dispatch them."""
         return sorted((flow[0] for flow in self.flows.values()), key=lambda item: (item.start, item.seq))
 
+    def behind(self, head: Item[T], count: int) -> list[Item[T]]:
+        """Up to `count` items after `head`: the flows in fair order of their heads, each in FIFO
+        order (what backfill may try when `head` does not fit)."""
+        out: list[Item[T]] = []
+        for first in self.heads():
+            for item in self.flows[first.tenant]:
+                if item is not head:
+                    out.append(item)
+                    if len(out) >= count:
+                        return out
+        return out
+
     def newest(self) -> Item[T] | None:
         """The most recently enqueued item: the first to shed when the queue is full."""
         best: Item[T] | None = None
@@ -87,7 +99,11 @@ class Band(Generic[T]):
             if flow:
                 self._tag(flow[0])
         else:
-            flow.remove(item)  # never dispatched: only the head is
+            flow.remove(item)
+            if dispatched:  # passed the head (backfill): the tenant's next turn moves back by its cost
+                head = flow[0]
+                head.start += item.cost / item.weight
+                head.finish += item.cost / item.weight
         if not flow:
             del self.flows[item.tenant]
             del self.queued[item.tenant]

@@ -29,6 +29,8 @@ from modeldock.flowcontrol.metrics import QueueMetrics
 T = TypeVar("T")
 
 QUEUE_FULL = "queue_full"
+BACKFILL_SCAN = 16  # items behind a head that does not fit, looked at for one that does
+BACKFILL_TRIES = 4  # claims (picks) tried among them per dispatch step
 QUEUE_TIMEOUT = "queue_timeout"
 
 
@@ -70,6 +72,7 @@ class Counts:
     rejected: int = 0
     cancelled: int = 0
     abandoned: int = 0  # dispatched, then handed back to `release` (a subset of dispatched)
+    backfilled: int = 0  # dispatched past a head that did not fit (a subset of dispatched)
 
 
 class FlowQueue(Generic[T]):
@@ -260,13 +263,14 @@ class FlowQueue(Generic[T]):
 
         `claim(item)` runs synchronously per item: it picks and counts (returning
         the claim, e.g. a lease) or returns None when there is no room, which stops
-        dispatch -- the next item in fair order is not skipped, so a large request
-        is not starved by smaller ones behind it. One exception, `protected`: when
+        dispatch, unless a smaller item behind it fits while it has waited less than
+        `backfill_seconds` (`_backfill`): past that a large request is not passed, so
+        smaller ones behind it cannot starve it. One exception, `protected`: when
         the head is not protected (it must leave headroom), the heads of the other
         tenants' flows in its band that are protected are tried first, in fair
         order: the room the head must leave is theirs, and any other room it would
-        take is room they wait for (they are under their share). FIFO within a
-        tenant and the class order hold.
+        take is room they wait for (they are under their share). The class order
+        holds; FIFO within a tenant, but for backfill.
         If `claim` raises a Rejection, that item leaves with it and dispatch goes
         on. `claim` must not call into this queue. Returns the number dispatched.
         """
@@ -290,7 +294,11 @@ class FlowQueue(Generic[T]):
                     self._reject(item, exc)
                     continue
                 if got is None:
-                    break
+                    passed = self._backfill(item, claim, protected)
+                    if passed is None:
+                        break
+                    item, got = passed
+                    self.counts.backfilled += 1
             self._remove(item, dispatched=True)
             item.state = State.DISPATCHED
             item.claim = got
@@ -314,6 +322,41 @@ class FlowQueue(Generic[T]):
                 continue
             if got is not None:
                 return item, got
+        return None
+
+    def _backfill(self, head: Item[T], claim: Callable[[Item[T]], T | None],
+                  protected: Callable[[Item[T]], bool] | None) -> tuple[Item[T], T] | None:
+        """A smaller item behind `head` in its band that `claim` finds room for, while `head` has
+        waited less than `backfill_seconds`: the room a head that does not fit leaves idle goes to
+        requests that fit in it (a long generation at the head kept short ones behind it from
+        free slots). At most BACKFILL_TRIES claims, over the first BACKFILL_SCAN items; an item
+        no smaller than one refused is not tried, nor one of another tenant that is not
+        `protected` when the head is (a tenant over its share does not take the room a tenant
+        under it waits for). Past the limit the head blocks again, so it is not starved: room
+        that frees then is its."""
+        limit = self.config.backfill_seconds
+        if limit <= 0 or self._clock.monotonic() - head.enqueued_at >= limit:
+            return None
+        guard = protected if protected is not None and protected(head) else None
+        smallest = head.cost  # the least cost refused so far
+        tries = 0
+        for item in self._by_priority[head.priority].behind(head, BACKFILL_SCAN):
+            if item.cost >= smallest or item.future.done():
+                continue
+            if guard is not None and item.tenant != head.tenant and not guard(item):
+                continue
+            tries += 1
+            try:
+                got = claim(item)
+            except Rejection as exc:
+                self._remove(item)
+                self._reject(item, exc)
+                continue
+            if got is not None:
+                return item, got
+            smallest = item.cost
+            if tries >= BACKFILL_TRIES:
+                break
         return None
 
     def expire(self) -> int:

@@ -1,5 +1,6 @@
-"""FlowQueue.dispatch's one skip: past a head that must leave headroom, to protected flow heads of
-its band, which are tried first. FakeClock, no gRPC."""
+"""FlowQueue.dispatch's skips: past a head that must leave headroom, to protected flow heads of its
+band, which are tried first; and backfill past a protected head only for its own tenant or other
+protected ones. FakeClock, no gRPC."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_without_the_predicate_or_with_a_protected_head_dispatch_stops(idle_loop
 
 
 def test_only_protected_heads_of_the_same_band_pass(idle_loop: asyncio.AbstractEventLoop) -> None:
-    h = Harness(idle_loop)
+    h = Harness(idle_loop, backfill_seconds=0)  # (backfill would try carol's smaller one too)
     h.queue.enqueue("alice", 100)
     carol = h.queue.enqueue("carol", 10)  # small, but over its share too: must not jump alice
     low = h.queue.enqueue("bob", 100, klass="batch")  # protected, but of a lower class
@@ -97,3 +98,20 @@ def test_a_rejection_while_skipping_rejects_that_item_and_goes_on(idle_loop: asy
     assert h.queue.dispatch(claim, room.protected) == 1
     assert bad.state is State.REJECTED and good.state is State.DISPATCHED
     assert h.queue.counts.offered == h.queue.counts.dispatched + h.queue.counts.rejected + len(h.queue)
+
+
+def test_backfill_past_a_protected_head_takes_no_tenant_over_its_share(
+        idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, backfill_seconds=0.5)
+    bob = h.queue.enqueue("bob", 300)  # under his share, at the head; does not fit
+    alice = h.queue.enqueue("alice", 50)  # over her share: must not take the room bob waits for
+    room = Room(free=3, over={"alice"})
+
+    def claim(item: Item[int]) -> int | None:
+        return None if item is bob else room.claim(item)
+
+    assert h.queue.dispatch(claim, room.protected) == 0
+    assert room.tried == [] and alice.state is State.QUEUED
+    small = h.queue.enqueue("bob", 50)  # his own smaller one may pass him
+    assert h.queue.dispatch(claim, room.protected) >= 1
+    assert small.state is State.DISPATCHED and bob.state is State.QUEUED

@@ -326,3 +326,74 @@ def test_a_protected_request_counts_only_its_own_flow_ahead(idle_loop: asyncio.A
     assert h.queue.ahead("b", prio, protected=True) == 250  # a higher class is ahead all the same
     with pytest.raises(RateLimited):
         h.queue.enqueue("b", 100, max_ahead=240, protected=True)
+
+
+# -- backfill ---------------------------------------------------------------------------------
+
+
+def test_a_smaller_request_passes_a_head_that_does_not_fit(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, backfill_seconds=0.5)
+    big = h.queue.enqueue("a", 500)
+    small = h.queue.enqueue("a", 50)
+    other = h.queue.enqueue("b", 60)
+    assert h.claim_all(budget=120) == [("a", 50, "standard"), ("b", 60, "standard")]
+    assert big.state is State.QUEUED and small.state is other.state is State.DISPATCHED
+    # a's small one passed a's head; then b's head came first in fair order (a had had 50 tokens).
+    assert h.queue.counts.backfilled == 1
+    assert h.claim_all(budget=500) == [("a", 500, "standard")]
+
+
+def test_past_backfill_seconds_the_head_blocks_again(idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, backfill_seconds=0.5)
+    h.queue.enqueue("a", 500)
+    h.queue.enqueue("a", 50)
+    h.clock.advance(0.5)  # the head has waited its share of passing: room now goes to it
+    assert h.claim_all(budget=120) == []
+    strict = Harness(idle_loop, backfill_seconds=0)
+    strict.queue.enqueue("a", 500)
+    strict.queue.enqueue("a", 50)
+    assert strict.claim_all(budget=120) == []
+
+
+def test_backfill_stays_in_the_heads_class_and_tries_only_smaller_items(
+        idle_loop: asyncio.AbstractEventLoop) -> None:
+    h = Harness(idle_loop, backfill_seconds=0.5)
+    h.queue.enqueue("a", 100, klass="interactive")
+    h.queue.enqueue("b", 10, klass="batch")  # a lower class never passes a higher one
+    h.queue.enqueue("c", 100, klass="interactive")  # as large as the head: not tried
+    tried: list[int] = []
+
+    def claim(item: Item[int]) -> int | None:
+        tried.append(item.cost)
+        return None
+
+    assert h.queue.dispatch(claim) == 0
+    assert tried == [100]  # the head only
+
+
+def test_backfill_tries_a_bounded_number_of_items(idle_loop: asyncio.AbstractEventLoop) -> None:
+    from modeldock.flowcontrol.queue import BACKFILL_TRIES
+
+    h = Harness(idle_loop, backfill_seconds=0.5, max_length=100)
+    h.queue.enqueue("a", 1000)
+    for cost in range(90, 10, -1):  # each smaller than the last, none fits
+        h.queue.enqueue("a", cost)
+    tried: list[int] = []
+
+    def claim(item: Item[int]) -> int | None:
+        tried.append(item.cost)
+        return None
+
+    h.queue.dispatch(claim)
+    assert tried == [1000, *range(90, 90 - BACKFILL_TRIES, -1)]
+
+
+def test_a_backfilled_request_counts_against_its_tenants_share(idle_loop: asyncio.AbstractEventLoop) -> None:
+    # a's small request passed a's big head: a has had 100 tokens, so b's equal-cost head goes
+    # before a's next one once room for both appears.
+    h = Harness(idle_loop, backfill_seconds=0.5)
+    h.queue.enqueue("a", 300)
+    h.queue.enqueue("a", 100)
+    assert h.claim_all(budget=100) == [("a", 100, "standard")]
+    h.queue.enqueue("b", 300)
+    assert [t for t, _, _ in h.claim_all(budget=300)] == ["b"]

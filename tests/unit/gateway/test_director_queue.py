@@ -126,7 +126,7 @@ async def test_ttl_gives_429_queue_timeout_with_retry_after_and_releases_the_tic
 
 
 async def test_the_drain_budget_sheds_once_the_oldest_has_waited_half_of_max_wait() -> None:
-    rig = Rig(queue={"max_wait_seconds": 1.0})
+    rig = Rig(queue={"max_wait_seconds": 1.0, "backfill_seconds": 0})  # (the small ones would fit past the head)
     for total in (0.0, 100.0):  # busy at 100 tokens/s: 100 tokens drain within max_wait
         rig.picker.observe(EP, Sample(0.0, 1.0, 0.0, capacity=1000.0, tokens_total=total), rig.clock.monotonic())
         rig.clock.advance(1.0)
@@ -192,7 +192,7 @@ async def test_dispatch_and_cancel_in_the_same_instant_count_once() -> None:
 
 
 async def test_newcomers_queue_behind_waiters_instead_of_jumping_them() -> None:
-    rig = Rig()
+    rig = Rig(queue={"backfill_seconds": 0})
     first = await rig.route(590)
     big = rig.route(590)
     await settle()
@@ -205,6 +205,26 @@ async def test_newcomers_queue_behind_waiters_instead_of_jumping_them() -> None:
     big.result().release()
     await settle()
     small.result().release()
+    assert rig.held() == (0, 0, 0)
+
+
+async def test_a_newcomer_that_fits_passes_a_waiter_that_does_not_until_backfill_seconds() -> None:
+    rig = Rig(queue={"backfill_seconds": 0.5})
+    first = await rig.route(590)
+    big = rig.route(590)
+    await settle()
+    small = await rig.route(50)  # fits beside the first, where the big one does not: goes at once
+    assert rig.queued == 1 and not big.done()
+    rig.clock.advance(0.5)  # the big one has waited long enough: now it is not passed
+    later = rig.route(50)
+    await settle()
+    assert rig.queued == 2 and not later.done()
+    small.release()
+    first.release()
+    await settle()
+    assert big.done() and later.done()
+    big.result().release()
+    later.result().release()
     assert rig.held() == (0, 0, 0)
 
 
