@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,7 +52,7 @@ class Signals(NamedTuple):
     growth: float = 0.0
     # (output limit, committed tokens) of this gateway's requests there that said their output
     # limit, shortest first: each is done within that many steps, and frees its KV then.
-    ends: tuple[tuple[int, int], ...] = ()
+    ends: Sequence[tuple[int, int]] = ()
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -92,7 +94,7 @@ class Load:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
         self.outputs: dict[int, int] = {}  # sequence number -> the output limit within them, when known
         self.new_outputs = 0  # the output limits of the leases above `mark`
-        self.ends: tuple[tuple[int, int], ...] | None = ()  # Signals.ends; None: to build again
+        self.ends: list[tuple[int, int]] = []  # Signals.ends, kept sorted (read only outside)
         self.committed = 0  # sum of the leases' tokens
         self.new_tokens = 0  # tokens of the leases above `mark`
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
@@ -120,12 +122,12 @@ class Load:
     def add(self, seq: int, tokens: int = 0, output: int = 0) -> None:
         self.leases[seq] = tokens
         self.committed += tokens
-        self.ends = None
         self.new += 1  # seq is the newest number: always above the mark
         self.new_tokens += tokens
         if output:
             self.outputs[seq] = output
             self.new_outputs += output
+            insort(self.ends, (output, tokens))
         self.last_pick = seq
 
     def remove(self, seq: int) -> int:
@@ -134,7 +136,9 @@ class Load:
             return 0
         tokens = self.leases.pop(seq)
         output = self.outputs.pop(seq, 0)
-        self.ends = None
+        if output:
+            ends = self.ends
+            del ends[bisect_left(ends, (output, tokens))]
         self.committed -= tokens
         if seq > self.mark:
             self.new -= 1
@@ -237,17 +241,10 @@ class Load:
             self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, -extra, 0, 0
             self.new_outputs = 0
 
-    def _ends(self) -> tuple[tuple[int, int], ...]:
-        ends = self.ends
-        if ends is None:
-            leases = self.leases
-            ends = self.ends = tuple(sorted((out, leases[seq]) for seq, out in self.outputs.items()))
-        return ends
-
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
         in_flight = len(self.leases)
-        ends = self._ends()
+        ends = self.ends
         if sample is None or now - self.taken_at > stale_after:
             return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
                            self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs, self.growth, ends)

@@ -25,6 +25,24 @@ def _capacity(picker: Picker, clock: FakeClock, ep: object, capacity: float, **k
                               capacity=capacity), clock.monotonic())
 
 
+def test_output_limits_known_follow_each_request_sorted_through_move_and_release(make_picker: MakePicker) -> None:
+    # Signals.ends: (output limit, committed) of the requests there that said their limit, shortest first.
+    picker = make_picker(fallbacks=1)
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a])
+    long = picker.pick("m", cost=600, output=256)
+    short = picker.pick("m", cost=300, output=32)
+    unsaid = picker.pick("m", cost=400)
+    assert list(picker.signals(a).ends) == [(32, 300), (256, 600)]
+    picker.set_endpoints("m", [a, b])
+    assert long.lease.move_to(b.address)
+    assert list(picker.signals(a).ends) == [(32, 300)] and list(picker.signals(b).ends) == [(256, 600)]
+    short.lease.release()
+    unsaid.lease.release()
+    long.lease.release()
+    assert not picker.signals(a).ends and not picker.signals(b).ends
+
+
 def test_claim_move_and_release_carry_tokens_exactly_once(make_picker: MakePicker) -> None:
     picker = make_picker(fallbacks=1)
     a, b = endpoints(2)
