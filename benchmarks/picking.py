@@ -1,6 +1,7 @@
 """Microbenchmark: µs per parsed vLLM page and per pick (+ release), per policy; and the room rule's
 tokens check with the request's output limit known (the growth bound, `saturation.held_tokens`) against
-unknown (the committed tokens alone), side by side.
+unknown (the committed tokens alone), side by side; and that bound against the step-by-step one
+(`saturation.fits_as_they_finish`) by requests on the endpoint.
 
     .venv/bin/python benchmarks/picking.py            # prints
     .venv/bin/python benchmarks/picking.py --write    # also writes the `picking-room` section of docs/benchmarks.md
@@ -85,6 +86,27 @@ def time_room_pick(endpoints: int, output: int | None, rounds: int = 20000) -> f
     return (time.perf_counter() - start) / rounds * 1e6
 
 
+def time_bound(leases: int, finishing: bool, rounds: int = 20000) -> float:
+    """Mean µs for one tokens-rule bound on an endpoint with `leases` requests of known output
+    limit (four in five short): `held_tokens` alone, or `fits_as_they_finish` (the step-by-step
+    bound run when the first says no)."""
+    from modeldock.picking.saturation import fits_as_they_finish, held_tokens
+    from modeldock.picking.signals import Signals
+
+    ends = sorted(((32 if i % 5 else 256), 400) for i in range(leases))
+    capacity = 400.0 * leases
+    s = Signals(leases, True, 0.0, float(leases), 0.5, None, 400 * leases, capacity, 1000.0, 0, 0.0, 0.0, 0, 0.1, 0,
+                100.0, ends)
+    start = time.perf_counter()
+    if finishing:
+        for _ in range(rounds):
+            fits_as_they_finish(s, 600, 256, capacity)
+    else:
+        for _ in range(rounds):
+            held_tokens(s, 256)
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
 def room_section(rounds: int = 3) -> str:
     rows = []
     for n in (8, 64):
@@ -94,12 +116,24 @@ def room_section(rounds: int = 3) -> str:
             known.append(time_room_pick(n, 32))
         a, b = min(unknown), min(known)
         rows.append([str(n), f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}x"])
+    bounds = []
+    for n in (8, 64, 256):
+        held, finish = [], []
+        for _ in range(rounds):
+            held.append(time_bound(n, False))
+            finish.append(time_bound(n, True))
+        a, b = min(held), min(finish)
+        bounds.append([str(n), f"{a:.2f}", f"{b:.2f}", f"{b / a:.1f}x"])
     return (
         "µs per pick + release with saturation by room (`default` policy, capacity and speed known, fresh samples, "
         "64 requests in flight), the request's output limit unknown (the tokens rule reads the committed tokens) "
         f"against known (it also bounds what the others grow while it runs, `saturation.held_tokens`); best of "
         f"{rounds} alternating rounds.\n\n"
         + table(["endpoints", "output unknown", "output known", "known / unknown"], rows)
+        + "\n\nµs per tokens-rule bound on one endpoint with N requests of known output limit (four in five short): "
+        "`held_tokens` (every pick with the output known) against `fits_as_they_finish` (the step-by-step bound, "
+        "run only where the first refuses); best of " + f"{rounds} alternating rounds.\n\n"
+        + table(["requests there", "held_tokens", "fits_as_they_finish", "ratio"], bounds)
     )
 
 

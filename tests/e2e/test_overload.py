@@ -1,6 +1,7 @@
 """Overload through real Envoy, ext_proc, xDS and a tiny simulator (256 tokens of KV), with the
 openai SDK: a request that does not fit waits in ext_proc and is served once room frees, still
-streaming chunk by chunk; a declared batch limit queues a request the KV would fit; a client
+streaming chunk by chunk; a short request passes a queued one that does not fit (backfill); a
+declared batch limit queues a request the KV would fit; a client
 that leaves while queued is dropped at once and every count returns to 0; a request that waits
 past the queue's TTL gets the JSON 429 with Retry-After."""
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.e2e
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 KV_TOKENS = 16 * 16
 TTL = 1.5
+BACKFILL = 1.4  # a request that does not fit may be passed this long (longer than the default: CI is slow)
 SLOTS = 2
 
 
@@ -33,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     def edit(data: dict[str, Any], _sims: object) -> None:
         data["tenants"][0]["max_in_flight"] = 4
         data["tenants"][0]["priorities_allowed"] = ["batch"]
-        data["queue"] = {"ttl_seconds": TTL, "retry_after_seconds": 2}
+        data["queue"] = {"ttl_seconds": TTL, "retry_after_seconds": 2, "backfill_seconds": BACKFILL}
         data["routing"] = {"scrape": {"interval_seconds": 0.2}}
         data["models"][0]["max_num_seqs"] = SLOTS  # declared: below the simulator's own limit (64)
 
@@ -165,6 +167,33 @@ def test_the_declared_batch_limit_keeps_a_third_request_in_the_gateway(stack: St
     last = max(streams, key=lambda s: s.times[0])  # the queued one: its first token came last
     assert last.times[0] >= min(s.times[-1] for s in streams if s is not last)  # after another ended
     assert stack.metric("modeldock_queue_dispatched_total") == dispatched + 1
+    wait_until(lambda: _idle(stack), 10, what="every count back to 0")
+
+
+@pytest.mark.timeout(60)
+def test_a_short_request_passes_a_queued_one_that_does_not_fit(stack: Stack) -> None:
+    # The first (~205 tokens) runs; the second (~204) cannot join it (both may grow to 409 > 256) and
+    # waits; a short one behind it (~15) fits beside the first: it is backfilled and served while
+    # the second still waits, which then goes once the first ends.
+    wait_until(lambda: _idle(stack), 10, what="idle gateway")
+    dispatched = stack.metric("modeldock_queue_dispatched_total")
+    first = Stream(stack, 200)
+    first.start()
+    wait_until(lambda: stack.in_flight() == 1, 10, what="first request in flight")
+    second = Stream(stack, 199)
+    second.start()
+    wait_until(lambda: stack.metric("modeldock_queue_length") == 1, 5, what="second request queued")
+    short = Stream(stack, 10)
+    short.start()
+    short.join(20)
+    assert short.error is None and short.text
+    assert second.is_alive() and not second.times  # still waiting, nothing streamed yet
+    assert first.is_alive()  # served beside the first, not after it
+    first.join(20)
+    second.join(30)
+    assert first.error is None and second.error is None and len(second.times) >= 150
+    assert second.times[0] >= first.times[-1]  # it went once the first ended
+    assert stack.metric("modeldock_queue_dispatched_total") == dispatched + 2
     wait_until(lambda: _idle(stack), 10, what="every count back to 0")
 
 
