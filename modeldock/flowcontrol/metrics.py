@@ -28,6 +28,11 @@ class QueueMetrics:
             "modeldock_queue_dispatched", "Queued requests handed to an endpoint.",
             ("model", "tenant", "class"), registry=registry,
         )
+        self.backfilled = Counter(
+            "modeldock_queue_backfilled",
+            "Queued requests dispatched past one ahead of them that did not fit (queue.backfill_seconds).",
+            ("model", "tenant", "class"), registry=registry,
+        )
         self.rejected = Counter(
             "modeldock_queue_rejected",
             "Requests the queue refused or removed: queue_full, queue_timeout, or the dispatch rejection code.",
@@ -51,6 +56,10 @@ class QueueMetrics:
         if self.enabled:
             self.dispatched.labels(model, tenant, klass).inc()
             self.wait.labels(model, tenant, klass).observe(waited)
+
+    def on_backfill(self, model: str, tenant: str, klass: str) -> None:
+        if self.enabled:
+            self.backfilled.labels(model, tenant, klass).inc()
 
     def on_reject(self, model: str, tenant: str, klass: str, reason: str) -> None:
         if self.enabled:

@@ -299,6 +299,7 @@ class FlowQueue(Generic[T]):
                         break
                     item, got = passed
                     self.counts.backfilled += 1
+                    self._metrics.on_backfill(self.model, item.tenant, item.klass)
             self._remove(item, dispatched=True)
             item.state = State.DISPATCHED
             item.claim = got

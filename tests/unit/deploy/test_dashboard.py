@@ -57,6 +57,7 @@ def modeldock_registry() -> CollectorRegistry:
     queue.on_reject("m", "t", "standard", "queue_full")
     queue.on_cancel("m", "t", "standard")
     queue.on_abandon("m")
+    queue.on_backfill("m", "t", "standard")
     usage = UsageMetrics(registry)
     usage.observe(UsageRecord(ts=0.0, request_id="r", tenant="t", model="m", served_model="m", endpoint="e",
                               prompt_tokens=3, completion_tokens=2, token_source="estimated", status=200))

@@ -333,6 +333,9 @@ def test_a_protected_request_counts_only_its_own_flow_ahead(idle_loop: asyncio.A
 
 def test_a_smaller_request_passes_a_head_that_does_not_fit(idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop, backfill_seconds=0.5)
+    registry = CollectorRegistry()
+    h.queue = FlowQueue("m", h.config, h.clock, release=h.released.append,
+                        metrics=QueueMetrics(registry), loop=idle_loop)
     big = h.queue.enqueue("a", 500)
     small = h.queue.enqueue("a", 50)
     other = h.queue.enqueue("b", 60)
@@ -340,6 +343,9 @@ def test_a_smaller_request_passes_a_head_that_does_not_fit(idle_loop: asyncio.Ab
     assert big.state is State.QUEUED and small.state is other.state is State.DISPATCHED
     # a's small one passed a's head; then b's head came first in fair order (a had had 50 tokens).
     assert h.queue.counts.backfilled == 1
+    labels = {"model": "m", "tenant": "a", "class": "standard"}
+    assert registry.get_sample_value("modeldock_queue_backfilled_total", labels) == 1
+    assert registry.get_sample_value("modeldock_queue_dispatched_total", labels) == 1
     assert h.claim_all(budget=500) == [("a", 500, "standard")]
 
 
