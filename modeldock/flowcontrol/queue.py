@@ -287,11 +287,8 @@ class FlowQueue(Generic[T]):
                 if passed is not None:
                     item, got = passed
             if got is None:
-                try:
-                    got = claim(item)
-                except Rejection as exc:
-                    self._remove(item)
-                    self._reject(item, exc)
+                got = self._try(item, claim)
+                if item.state is State.REJECTED:
                     continue
                 if got is None:
                     passed = self._backfill(item, claim, protected)
@@ -309,18 +306,23 @@ class FlowQueue(Generic[T]):
             dispatched += 1
         return dispatched
 
+    def _try(self, item: Item[T], claim: Callable[[Item[T]], T | None]) -> T | None:
+        """`claim(item)`; an item whose claim raises a Rejection leaves the queue with it (its
+        state is then REJECTED) and None is returned, as for no room."""
+        try:
+            return claim(item)
+        except Rejection as exc:
+            self._remove(item)
+            self._reject(item, exc)
+            return None
+
     def _past(self, head: Item[T], claim: Callable[[Item[T]], T | None],
               protected: Callable[[Item[T]], bool]) -> tuple[Item[T], T] | None:
         """The first protected flow head of `head`'s band, after it, that `claim` finds room for."""
         for item in self._by_priority[head.priority].heads():
             if item is head or item.tenant == head.tenant or item.future.done() or not protected(item):
                 continue
-            try:
-                got = claim(item)
-            except Rejection as exc:
-                self._remove(item)
-                self._reject(item, exc)  # the next item of its flow waits for the next dispatch
-                continue
+            got = self._try(item, claim)  # rejected: the next item of its flow waits for the next dispatch
             if got is not None:
                 return item, got
         return None
@@ -347,14 +349,11 @@ class FlowQueue(Generic[T]):
             if guard is not None and item.tenant != head.tenant and not guard(item):
                 continue
             tries += 1
-            try:
-                got = claim(item)
-            except Rejection as exc:
-                self._remove(item)
-                self._reject(item, exc)
-                continue
+            got = self._try(item, claim)
             if got is not None:
                 return item, got
+            if item.state is State.REJECTED:
+                continue
             smallest = item.cost
             if tries >= BACKFILL_TRIES:
                 break
