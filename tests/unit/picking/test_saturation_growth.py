@@ -86,62 +86,66 @@ def test_finishing_is_not_counted_from_a_stale_sample() -> None:
     assert not fits_as_they_finish(_signals(fresh=False, ends=((32, 400),)), 600, 256, CAPACITY)
 
 
-@settings(max_examples=400, deadline=None)
-@given(
+# A batch: sequences in the sample (prompt, limit, produced so far), requests picked since it
+# (prompt, limit), the new request's prompt and output limit, and which of the first nine said
+# their output limit.
+BATCH = (
     st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=6),
     st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), max_size=3),
     st.integers(1, 600), st.integers(1, 300), st.lists(st.booleans(), min_size=9, max_size=9),
-    st.floats(0.0, 300.0),
 )
+Seq = tuple[int, int, int]
+
+
+def _seqs(others: list[Seq], picked: list[tuple[int, int]]) -> list[Seq]:
+    return [(p, m, min(done, m - 1)) for p, m, done in others] + [(p, m, 0) for p, m in picked]
+
+
+def _peak(seqs: list[Seq], prompt: int, output: int) -> int:
+    """Continuous batching one token per step: the most KV the sequences and the new request hold
+    together before the new one finishes (after that it holds nothing)."""
+    return max(prompt + step + sum(p + done + step for p, m, done in seqs if done + step < m)
+               for step in range(output + 1))
+
+
+def _batch_signals(seqs: list[Seq], others: int, picked: list[tuple[int, int]], said: list[bool],
+                   capacity: float, growth: float = 0.0) -> Signals | None:
+    """The endpoint as the rule sees it (None when the sample's sequences alone exceed `capacity`)."""
+    held_now = sum(p + done for p, _, done in seqs[:others])
+    if held_now > capacity:
+        return None
+    return _signals(running=others, kv=held_now / capacity, committed=sum(p + m for p, m, _ in seqs),
+                    waiting=len(picked), new_tokens=sum(p + m for p, m in picked),
+                    new_outputs=sum(m for _, m in picked), growth=growth, capacity=capacity,
+                    ends=tuple(sorted((m, p + m) for (p, m, _), known in zip(seqs, said, strict=False) if known)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(*BATCH, st.floats(0.0, 300.0))
 def test_admitted_requests_never_push_the_batch_past_capacity(
-    others: list[tuple[int, int, int]], picked: list[tuple[int, int]], prompt: int, output: int,
-    said: list[bool], growth: float,
+    others: list[Seq], picked: list[tuple[int, int]], prompt: int, output: int, said: list[bool], growth: float,
 ) -> None:
-    """Simulate continuous batching one token per step: whenever the rule admits the new request
-    next to sequences (prompt, limit, produced so far) in the sample and requests picked since it
-    (prompt, limit: not in the sample's KV, starting now), their KV never exceeds the capacity
-    before the new one finishes (after that it holds nothing). Some of them said their output
-    limit (`ends`: done within it), the others did not."""
-    seqs = [(p, m, min(done, m - 1)) for p, m, done in others] + [(p, m, 0) for p, m in picked]
-    held_now = sum(p + done for p, _, done in seqs[:len(others)])
-    committed = sum(p + m for p, m, _ in seqs)
-    if held_now > CAPACITY:
+    """Whenever the rule admits the new request next to sequences in the sample and requests
+    picked since it (not in the sample's KV, starting now), their KV never exceeds the capacity
+    before the new one finishes. Some of them said their output limit (`ends`: done within it),
+    the others did not."""
+    seqs = _seqs(others, picked)
+    s = _batch_signals(seqs, len(others), picked, said, CAPACITY, growth)
+    if s is None or ROOM.over(s, cost=prompt + output, output=output):
         return
-    s = _signals(running=len(others), kv=held_now / CAPACITY, committed=committed, waiting=len(picked),
-                 new_tokens=sum(p + m for p, m in picked), new_outputs=sum(m for _, m in picked), growth=growth,
-                 ends=tuple(sorted((m, p + m) for (p, m, _), known in zip(seqs, said, strict=False) if known)))
-    if ROOM.over(s, cost=prompt + output, output=output):
-        return
-    for step in range(output + 1):
-        total = prompt + step
-        for p, m, done in seqs:
-            if done + step < m:  # still running at this step
-                total += p + done + step
-        assert total <= CAPACITY
+    assert _peak(seqs, prompt, output) <= CAPACITY
 
 
 @settings(max_examples=1000, deadline=None)
-@given(
-    st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=6),
-    st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), max_size=3),
-    st.integers(1, 600), st.integers(1, 300), st.lists(st.booleans(), min_size=9, max_size=9),
-    st.integers(1, 40),
-)
+@given(*BATCH, st.integers(1, 40))
 def test_the_rule_refuses_just_below_the_batch_peak(
-    others: list[tuple[int, int, int]], picked: list[tuple[int, int]], prompt: int, output: int,
-    said: list[bool], below: int,
+    others: list[Seq], picked: list[tuple[int, int]], prompt: int, output: int, said: list[bool], below: int,
 ) -> None:
     """The same batches, with the capacity set a few tokens below the peak they would reach (the
     worst case, every sequence at its first step, is where a bound that is slightly off shows):
     the rule must refuse, whichever sequences said their limits."""
-    seqs = [(p, m, min(done, m - 1)) for p, m, done in others] + [(p, m, 0) for p, m in picked]
-    peak = max(prompt + step + sum(p + done + step for p, m, done in seqs if done + step < m)
-               for step in range(output + 1))
-    capacity = float(peak - below)
-    held_now = sum(p + done for p, _, done in seqs[:len(others)])
-    assume(held_now <= capacity)
-    s = _signals(running=len(others), kv=held_now / capacity, committed=sum(p + m for p, m, _ in seqs),
-                 waiting=len(picked), new_tokens=sum(p + m for p, m in picked),
-                 new_outputs=sum(m for _, m in picked), capacity=capacity,
-                 ends=tuple(sorted((m, p + m) for (p, m, _), known in zip(seqs, said, strict=False) if known)))
+    seqs = _seqs(others, picked)
+    s = _batch_signals(seqs, len(others), picked, said, float(_peak(seqs, prompt, output) - below))
+    assume(s is not None)
+    assert s is not None
     assert ROOM.over(s, cost=prompt + output, output=output)
