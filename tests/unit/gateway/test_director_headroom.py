@@ -124,12 +124,15 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     assert rig.picker.ledger.committed(OTHER) == before
     outputs = {ep: sum(load.outputs.values()) for ep, load in rig.picker.ledger.tracked().items()}
     assert outputs == {EP: 0, OTHER: a.lease.output} and a.lease.output == 90  # its output limit moved too
+    ends = {ep: list(load.ends) for ep, load in rig.picker.ledger.tracked().items()}
+    assert ends == {EP: [], OTHER: [(a.lease.output, a.lease.tokens)]}  # and its entry for the tokens rule
     # Ended, twice (idempotent).
     a.release()
     a.release()
     assert rig.committed() == 0
     assert rig.picker.total_in_flight() == 0
-    assert all(not load.outputs and load.new_outputs == 0 for load in rig.picker.ledger.tracked().values())
+    assert all(not load.outputs and load.new_outputs == 0 and not load.ends
+               for load in rig.picker.ledger.tracked().values())
 
 
 async def test_a_protected_request_already_queued_passes_a_head_over_its_share() -> None:
