@@ -42,14 +42,14 @@ def _names_other_model(labels: str, wanted: str) -> bool:
     return not labels.startswith(wanted + '"', at + 12)
 
 
-def _capacity(labels: str) -> tuple[str, int] | None:
-    """(engine, num_gpu_blocks x block_size) from one cache_config_info series; None before vLLM
-    has profiled its cache (`num_gpu_blocks="None"`) or when a label is missing."""
+def _capacity(labels: str) -> tuple[str, int, int] | None:
+    """(engine, num_gpu_blocks x block_size, block_size) from one cache_config_info series; None
+    before vLLM has profiled its cache (`num_gpu_blocks="None"`) or when a label is missing."""
     blocks, size = _BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
     if blocks is None or size is None:
         return None
     engine = _ENGINE.search(labels)
-    return (engine.group(1) if engine else ""), int(blocks.group(1)) * int(size.group(1))
+    return (engine.group(1) if engine else ""), int(blocks.group(1)) * int(size.group(1)), int(size.group(1))
 
 
 def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sample | None:
@@ -63,7 +63,7 @@ def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sa
     `gpu_cache_usage_perc` when a page carries both. The token counters
     (prompt + generation, summed) become `tokens_total`, the generation counter alone
     `generated_total`; with `capacity`, the
-    KV capacity in tokens from `cache_config_info` (summed over engines).
+    KV capacity in tokens from `cache_config_info` (summed over engines), and its block size.
     """
     totals: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], int] = {}
@@ -73,11 +73,13 @@ def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sa
         matches.insert(0, first.groups(""))
     wanted = _escape(model) if model is not None else None
     engines: dict[str, int] = {}
+    block = 0
     for sep, name, labels, raw in matches:
         if name == "cache_config_info":
             found = _capacity(labels)
             if found is not None:
                 engines[found[0]] = found[1]
+                block = max(block, found[2])
             continue
         if wanted is not None and "model_name" in labels and _names_other_model(labels, wanted):
             continue
@@ -106,6 +108,7 @@ def parse_metrics(text: str, model: str | None, *, capacity: bool = False) -> Sa
         running=max(0.0, running or 0.0),
         kv=min(1.0, max(0.0, kv)),
         capacity=float(sum(engines.values())) if engines else None,
+        block_size=block or None,
         tokens_total=tokens,
         generated_total=generated,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import ceil
 from typing import Literal
 
 from modeldock.errors import RateLimited, Rejection, Unavailable
@@ -59,13 +60,14 @@ def _growing_now(s: Signals) -> float | None:
 
 def fits_as_they_finish(s: Signals, cost: int, output: int, capacity: float) -> bool:
     """Whether a request (`cost` tokens, `output` of them its output limit) fits beside the
-    endpoint's sequences, counting that each of this gateway's is done within its own output
-    limit (`Signals.ends`) and frees its KV then: a long request joins short ones whose limits
-    it would not fit beside, because they are gone before it has grown. At step k of the new
+    endpoint's sequences, counting that each of this gateway's is done within the steps it has
+    left (`Signals.ends`: its output limit, less the engine steps the pages showed it running)
+    and frees its KV then: a long request joins short ones whose limits it would not fit beside,
+    or long ones near their end, because they are gone before it has grown. At step k of the new
     request (it holds its prompt + k) the others hold at most their committed tokens, and at
-    most what they hold now plus k each, counting only those whose limit is above k (a sequence
-    with limit o has at most o steps left); the peak is at the last step one of them may still
-    run (k = o - 1) or at the new one's last. Sequences of no known limit (other gateways', the
+    most what they hold now plus k each, counting only those with more than k steps left (one
+    with r left grows at most r more); the peak is at the last step one of them may still run
+    (k = r - 1) or at the new one's last. Sequences of no known limit (other gateways', the
     backend's queue, ours that did not say theirs) run throughout. Needs a fresh sample and a
     learned rate (else False: `held_tokens` decides alone)."""
     now = _growing_now(s)
@@ -76,16 +78,17 @@ def fits_as_they_finish(s: Signals, cost: int, output: int, capacity: float) -> 
     n = len(ends)
     unknown = max(float(s.in_flight), s.running + s.waiting) - n  # run throughout
     committed = float(s.committed)  # ours that may still run, lowered as they finish
+    steps = s.steps
     i = 0
     while True:
-        k = output if i >= n or ends[i][0] - 1 >= output else ends[i][0] - 1
+        left = ceil(ends[i][0] - steps) if i < n else output + 1  # at most this many steps to go
+        k = output if left > output else max(0, left - 1)
         if min(committed, now + (unknown + n - i) * k) + prompt + k > capacity:
             return False
         if k == output:
             return True
-        limit = ends[i][0]
-        while i < n and ends[i][0] == limit:  # done by the next step: their KV is free
-            committed -= ends[i][1]
+        while i < n and ceil(ends[i][0] - steps) <= k + 1:
+            committed -= ends[i][1]  # done by the next step: their KV is free
             i += 1
 
 
@@ -116,6 +119,8 @@ class Saturation:
     limit is not learned: the token rule must keep room even when the backend never queued), so
     the last slots stay free for the top class and for tenants under their share. A protected
     request (h = t = 0) may use the last slot.
+    Paged KV: with the block size known, the tokens rule takes `block - 1` tokens per sequence
+    there and for the new one off the capacity (each may hold a part-empty last block).
     Thresholds (the older knobs, None turns each off): a FRESH sample showing
     `waiting >= max_waiting` or `kv >= max_kv`. Stale endpoints are never over a threshold.
 
@@ -161,6 +166,10 @@ class Saturation:
             if headroom_tokens and capacity > 0:
                 # At most half the cache is kept: the others' share never goes to nothing.
                 capacity -= min(float(headroom_tokens), capacity / 2)
+            if s.block > 1 and capacity > 0:
+                # The cache is paged: each sequence's last block is part empty (up to block - 1
+                # tokens more than the tokens counted, the new one's too).
+                capacity -= (s.block - 1) * (max(float(s.in_flight), s.running + s.waiting) + 1)
             if (s.in_flight and capacity > 0 and held_tokens(s, output) + cost > capacity
                     and (output is None or not fits_as_they_finish(s, cost, output, capacity))):
                 return True

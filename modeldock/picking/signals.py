@@ -7,6 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# A prompt is prefilled in chunks of at least this many tokens per engine step (vLLM's step
+# budget, max_num_batched_tokens, is larger), and only its last chunk's step yields a token.
+PREFILL_CHUNK = 512
+
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -22,6 +26,8 @@ class Sample:
     tokens_total: float | None = None
     # vllm:generation_tokens_total alone: how fast running sequences grow their KV; None: not on the page.
     generated_total: float | None = None
+    # Tokens per KV block (cache_config_info's block_size), read with `capacity`; None: not read.
+    block_size: int | None = None
 
 
 class Signals(NamedTuple):
@@ -50,9 +56,12 @@ class Signals(NamedTuple):
     # Output tokens/second while busy (vllm:generation_tokens_total): how fast the KV of the
     # sequences running there grows; 0: unknown.
     growth: float = 0.0
-    # (output limit, committed tokens) of this gateway's requests there that said their output
-    # limit, shortest first: each is done within that many steps, and frees its KV then.
-    ends: Sequence[tuple[int, int]] = ()
+    # (step by which it is done, committed tokens) of this gateway's requests there that said their
+    # output limit, soonest first, on the endpoint's step count (`steps`): each is done within its
+    # output limit of steps, less the steps the pages showed it running, and frees its KV then.
+    ends: Sequence[tuple[float, int]] = ()
+    steps: float = 0.0  # the endpoint's engine steps counted so far (a lower bound; `Load.steps`)
+    block: int = 0  # tokens per KV block (0: unknown): each sequence may hold up to block - 1 more than its tokens
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -86,18 +95,25 @@ class Load:
     below it was in the sample (`gone` once it finishes).
     """
 
-    __slots__ = ("capacity", "committed", "counted_at", "counter", "declared", "failures", "gone", "gone_tokens",
-                 "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated", "growth",
-                 "limit", "mark", "new", "new_tokens", "sample", "speed", "taken_at")
+    __slots__ = ("capacity", "committed", "counted_at", "counter", "declared", "due", "failures", "gone",
+                 "gone_tokens", "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated",
+                 "growth", "limit", "mark", "new", "new_tokens", "peak", "running", "sample", "speed", "stepped",
+                 "steps", "taken_at", "block")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
         self.outputs: dict[int, int] = {}  # sequence number -> the output limit within them, when known
         self.new_outputs = 0  # the output limits of the leases above `mark`
-        self.ends: list[tuple[int, int]] = []  # Signals.ends, kept sorted (read only outside)
+        self.ends: list[tuple[float, int]] = []  # Signals.ends, kept sorted (read only outside)
+        self.due: dict[int, float] = {}  # sequence number -> the step by which it is done (its key in `ends`)
+        self.running: set[int] = set()  # of those, the ones the last page showed running
+        self.steps = 0.0  # engine steps counted so far (`learn`), a lower bound
+        self.stepped = 0.0  # steps between the last two pages, not counted into `steps` yet
+        self.peak = 0  # the most requests in flight here since the last page
         self.committed = 0  # sum of the leases' tokens
         self.new_tokens = 0  # tokens of the leases above `mark`
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
+        self.block = 0  # tokens per KV block, read with the capacity (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
         self.growth = 0.0  # output tokens/second while busy, smoothed (0: unknown)
         self.generated: float | None = None  # the last output token counter reading
@@ -127,7 +143,12 @@ class Load:
         if output:
             self.outputs[seq] = output
             self.new_outputs += output
-            insort(self.ends, (output, tokens))
+            # Done within `output` steps from the first page that shows it running, and a long
+            # prompt's chunks before its first token; until that page the count does not start.
+            due = self.due[seq] = self.steps + output + max(0, tokens - output - 1) // PREFILL_CHUNK
+            insort(self.ends, (due, tokens))
+        if len(self.leases) > self.peak:
+            self.peak = len(self.leases)
         self.last_pick = seq
 
     def remove(self, seq: int) -> int:
@@ -138,7 +159,8 @@ class Load:
         output = self.outputs.pop(seq, 0)
         if output:
             ends = self.ends
-            del ends[bisect_left(ends, (output, tokens))]
+            del ends[bisect_left(ends, (self.due.pop(seq), tokens))]
+            self.running.discard(seq)
         self.committed -= tokens
         if seq > self.mark:
             self.new -= 1
@@ -166,6 +188,7 @@ class Load:
         backend the gateway keeps from queueing may never show its limit."""
         if sample.capacity is not None:
             self.capacity = sample.capacity
+            self.block = sample.block_size or 0
         total = sample.tokens_total
         if total is not None and self.counter is not None and total < self.counter:
             self.limit = self.declared  # restarted: perhaps with another max_num_seqs
@@ -178,6 +201,12 @@ class Load:
             return
         previous, since, generated = self.counter, self.counted_at, self.generated
         self.counter, self.counted_at, self.generated = total, taken_at, sample.generated_total
+        produced = sample.generated_total
+        if (before is not None and generated is not None and produced is not None and produced > generated
+                and previous is not None and total >= previous):
+            # Each running sequence gains at most one token per step: the steps since the last page
+            # were at least the tokens produced over the most requests there at once.
+            self.stepped = (produced - generated) / max(before.running, sample.running, float(self.peak), 1.0)
         if previous is None or taken_at <= since or total < previous:
             return
         busy = sample.running > 0 or (self.sample is not None and self.sample.running > 0)
@@ -240,6 +269,31 @@ class Load:
             # Which finished since the page is not known: no KV credit for them (conservative).
             self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, -extra, 0, 0
             self.new_outputs = 0
+        self._count_steps()
+
+    def _count_steps(self) -> None:
+        """Credit the steps since the last page (`stepped`) to the requests that page showed
+        running, and start counting for the ones this page shows (reflected, with nothing waiting:
+        every request there is in the batch). A page with requests waiting credits nobody and stops
+        every count (one may have been preempted, and resumed or not); the ends of the requests not
+        credited move on with the count, so their steps left stay their output limit."""
+        stepped, self.stepped = self.stepped, 0.0
+        self.peak = len(self.leases)
+        due, running = self.due, self.running
+        sample = self.sample
+        if sample is None or sample.waiting > 0:
+            running.clear()
+        if stepped > 0:
+            self.steps += stepped
+            if len(running) < len(due):
+                for seq in due:
+                    if seq not in running:
+                        due[seq] += stepped
+                leases = self.leases
+                self.ends = sorted((end, leases[seq]) for seq, end in due.items())
+        if sample is not None and sample.waiting <= 0 and len(running) < len(due):
+            mark = self.mark
+            running.update(seq for seq in due if seq <= mark)
 
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
@@ -247,9 +301,11 @@ class Load:
         ends = self.ends
         if sample is None or now - self.taken_at > stale_after:
             return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
-                           self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs, self.growth, ends)
+                           self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs, self.growth, ends,
+                           self.steps, self.block)
         waiting, running = correct(sample, self.new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
                        self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens,
-                       now - self.taken_at, self.new_outputs, self.growth, ends)
+                       now - self.taken_at, self.new_outputs, self.growth, ends, self.steps,
+                       self.block)

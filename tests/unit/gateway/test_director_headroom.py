@@ -131,7 +131,7 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     a.release()
     assert rig.committed() == 0
     assert rig.picker.total_in_flight() == 0
-    assert all(not load.outputs and load.new_outputs == 0 and not load.ends
+    assert all(not load.outputs and load.new_outputs == 0 and not load.ends and not load.due and not load.running
                for load in rig.picker.ledger.tracked().values())
 
 

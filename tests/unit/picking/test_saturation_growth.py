@@ -16,11 +16,11 @@ CAPACITY = 1800.0
 
 def _signals(*, running: float = 3, kv: float = 0.5, committed: int = 1500, fresh: bool = True,
              speed: float = 400.0, age: float = 0.0, new_tokens: int = 0, waiting: float = 0.0,
-             new_outputs: int = 0, growth: float = 0.0, ends: tuple[tuple[int, int], ...] = (),
-             capacity: float = CAPACITY) -> Signals:
+             new_outputs: int = 0, growth: float = 0.0, ends: tuple[tuple[float, int], ...] = (),
+             capacity: float = CAPACITY, steps: float = 0.0, block: int = 0) -> Signals:
     return Signals(int(running + waiting), fresh, waiting if fresh else 0.0, running if fresh else 0.0,
                    kv if fresh else 0.0, None, committed, capacity, speed, new_tokens, 0.0, 0.0, 0, age, new_outputs,
-                   growth, ends)
+                   growth, ends, steps, block)
 
 
 def test_a_short_request_fits_where_the_full_limits_would_not() -> None:
@@ -82,18 +82,38 @@ def test_a_long_request_joins_short_ones_that_are_done_before_it_has_grown() -> 
     assert not ROOM.over(s, cost=500, output=256)
 
 
+def test_a_long_request_joins_long_ones_near_their_end() -> None:
+    # Three long sequences (200 of prompt, limit 256) have run 128 steps each: 984 held, 1368
+    # committed. Counted from their limits, a fourth (200 + 256) meets them all at its step 255
+    # (1368 + 200 + 255 > 1800); with the 128 steps the pages showed, they are done at step 128:
+    # at step 127 at most 984 + 3 x 127 + 200 + 127 = 1692, then only the new one.
+    ends = ((256.0, 456),) * 3  # done by step 256 of the endpoint's count (at 0 now)
+    fresh = _signals(kv=984 / CAPACITY, committed=1368, ends=ends)
+    near = fresh._replace(steps=128.0)
+    assert not fits_as_they_finish(fresh, 456, 256, CAPACITY)
+    assert fits_as_they_finish(near, 456, 256, CAPACITY)
+    assert ROOM.over(fresh, cost=456, output=256) and not ROOM.over(near, cost=456, output=256)
+    # Ends already passed (the count says done; the release is on its way) hold their KV one step.
+    done = _signals(kv=0.9, committed=1368, ends=ends, steps=500.0)
+    assert fits_as_they_finish(done, 456, 256, CAPACITY)
+    assert not fits_as_they_finish(done, 200 + 256 + 200, 256 + 200, CAPACITY - 600)
+
+
 def test_finishing_is_not_counted_from_a_stale_sample() -> None:
     assert not fits_as_they_finish(_signals(fresh=False, ends=((32, 400),)), 600, 256, CAPACITY)
 
 
 # A batch: sequences in the sample (prompt, limit, produced so far), requests picked since it
-# (prompt, limit), the new request's prompt and output limit, and which of the first nine said
-# their output limit.
+# (prompt, limit), the new request's prompt and output limit, which of the first nine said their
+# output limit, the part of what each in the sample produced that the pages showed (the steps
+# credited to it: at most what it produced), and the cache's block size (1: counted in tokens).
 BATCH = (
     st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=6),
     st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), max_size=3),
     st.integers(1, 600), st.integers(1, 300), st.lists(st.booleans(), min_size=9, max_size=9),
+    st.floats(0.0, 1.0), st.sampled_from([1, 16]),
 )
+STEPS = 1000.5  # the endpoint's step count: where the ends are counted from
 Seq = tuple[int, int, int]
 
 
@@ -101,51 +121,62 @@ def _seqs(others: list[Seq], picked: list[tuple[int, int]]) -> list[Seq]:
     return [(p, m, min(done, m - 1)) for p, m, done in others] + [(p, m, 0) for p, m in picked]
 
 
-def _peak(seqs: list[Seq], prompt: int, output: int) -> int:
+def _paged(tokens: int, block: int) -> int:
+    return -(-tokens // block) * block
+
+
+def _peak(seqs: list[Seq], prompt: int, output: int, block: int = 1) -> int:
     """Continuous batching one token per step: the most KV the sequences and the new request hold
-    together before the new one finishes (after that it holds nothing)."""
-    return max(prompt + step + sum(p + done + step for p, m, done in seqs if done + step < m)
+    together before the new one finishes (after that it holds nothing), in whole blocks."""
+    return max(_paged(prompt + step, block) + sum(_paged(p + done + step, block) for p, m, done in seqs
+                                                   if done + step < m)
                for step in range(output + 1))
 
 
 def _batch_signals(seqs: list[Seq], others: int, picked: list[tuple[int, int]], said: list[bool],
-                   capacity: float, growth: float = 0.0) -> Signals | None:
+                   capacity: float, credit: float, block: int, growth: float = 0.0) -> Signals | None:
     """The endpoint as the rule sees it (None when the sample's sequences alone exceed `capacity`)."""
-    held_now = sum(p + done for p, _, done in seqs[:others])
+    held_now = sum(_paged(p + done, block) for p, _, done in seqs[:others])
     if held_now > capacity:
         return None
+    ends = tuple(sorted((STEPS + m - int(credit * done), p + m)
+                        for (p, m, done), known in zip(seqs, said, strict=False) if known))
     return _signals(running=others, kv=held_now / capacity, committed=sum(p + m for p, m, _ in seqs),
                     waiting=len(picked), new_tokens=sum(p + m for p, m in picked),
-                    new_outputs=sum(m for _, m in picked), growth=growth, capacity=capacity,
-                    ends=tuple(sorted((m, p + m) for (p, m, _), known in zip(seqs, said, strict=False) if known)))
+                    new_outputs=sum(m for _, m in picked), growth=growth, capacity=capacity, ends=ends, steps=STEPS,
+                    block=block if block > 1 else 0)
 
 
 @settings(max_examples=400, deadline=None)
 @given(*BATCH, st.floats(0.0, 300.0))
 def test_admitted_requests_never_push_the_batch_past_capacity(
-    others: list[Seq], picked: list[tuple[int, int]], prompt: int, output: int, said: list[bool], growth: float,
+    others: list[Seq], picked: list[tuple[int, int]], prompt: int, output: int, said: list[bool], credit: float,
+    block: int, growth: float,
 ) -> None:
     """Whenever the rule admits the new request next to sequences in the sample and requests
     picked since it (not in the sample's KV, starting now), their KV never exceeds the capacity
-    before the new one finishes. Some of them said their output limit (`ends`: done within it),
-    the others did not."""
+    before the new one finishes. Some of them said their output limit (`ends`: done within it, less
+    the steps credited), the others did not."""
     seqs = _seqs(others, picked)
-    s = _batch_signals(seqs, len(others), picked, said, CAPACITY, growth)
+    s = _batch_signals(seqs, len(others), picked, said, CAPACITY, credit, block, growth)
     if s is None or ROOM.over(s, cost=prompt + output, output=output):
         return
-    assert _peak(seqs, prompt, output) <= CAPACITY
+    assert _peak(seqs, prompt, output, block) <= CAPACITY
 
 
 @settings(max_examples=1000, deadline=None)
 @given(*BATCH, st.integers(1, 40))
 def test_the_rule_refuses_just_below_the_batch_peak(
-    others: list[Seq], picked: list[tuple[int, int]], prompt: int, output: int, said: list[bool], below: int,
+    others: list[Seq], picked: list[tuple[int, int]], prompt: int, output: int, said: list[bool], credit: float,
+    block: int, below: int,
 ) -> None:
     """The same batches, with the capacity set a few tokens below the peak they would reach (the
     worst case, every sequence at its first step, is where a bound that is slightly off shows):
-    the rule must refuse, whichever sequences said their limits."""
+    the rule must refuse, whichever sequences said their limits and whatever part of their progress
+    was credited."""
     seqs = _seqs(others, picked)
-    s = _batch_signals(seqs, len(others), picked, said, float(_peak(seqs, prompt, output) - below))
+    s = _batch_signals(seqs, len(others), picked, said, float(_peak(seqs, prompt, output, block) - below), credit,
+                       block)
     assume(s is not None)
     assert s is not None
     assert ROOM.over(s, cost=prompt + output, output=output)

@@ -1,0 +1,101 @@
+"""A request's progress from the pages: the engine steps an endpoint took between two pages (its
+output token counter over the most requests there at once) are credited to the requests both
+pages showed in its batch, and come off the steps they have left (`Signals.ends`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import ceil
+
+from picking_helpers import endpoints
+
+from modeldock.clock import FakeClock
+from modeldock.picking import Picker, Sample
+from modeldock.picking.signals import Signals
+from modeldock.types import Endpoint
+
+MakePicker = Callable[..., Picker]
+
+
+def _left(s: Signals) -> list[int]:
+    return [ceil(due - s.steps) for due, _ in s.ends]
+
+
+def _page(picker: Picker, clock: FakeClock, ep: Endpoint, running: float, generated: float,
+          waiting: float = 0.0) -> None:
+    clock.advance(0.5)
+    picker.observe(ep, Sample(waiting, running, 0.3, tokens_total=generated, generated_total=generated),
+                   clock.monotonic())
+
+
+def test_steps_count_only_for_requests_the_pages_showed_running(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _page(picker, clock, a, running=0, generated=0)
+    long = picker.pick("m", cost=600, output=256)
+    assert _left(picker.signals(a)) == [256]
+    _page(picker, clock, a, running=1, generated=0)  # shows it: its count starts here
+    assert _left(picker.signals(a)) == [256]
+    _page(picker, clock, a, running=1, generated=100)  # 100 tokens, one request: 100 steps
+    assert _left(picker.signals(a)) == [156]
+    short = picker.pick("m", cost=300, output=32)  # not on any page yet
+    assert sorted(_left(picker.signals(a))) == [32, 156]
+    _page(picker, clock, a, running=2, generated=200)  # 100 tokens over two requests: 50 steps
+    assert sorted(_left(picker.signals(a))) == [32, 106]  # the short one's count starts only now
+    # A page with requests waiting: one may have been preempted; nobody is credited, and every
+    # count starts again at the next page with nothing waiting.
+    _page(picker, clock, a, running=2, generated=260, waiting=1)
+    assert sorted(_left(picker.signals(a))) == [32, 106]
+    _page(picker, clock, a, running=2, generated=300)
+    assert sorted(_left(picker.signals(a))) == [32, 106]
+    _page(picker, clock, a, running=2, generated=340)
+    assert sorted(_left(picker.signals(a))) == [12, 86]
+    short.lease.release()
+    long.lease.release()
+    load = picker.ledger.load(a)
+    assert not load.ends and not load.due and not load.running
+
+
+def test_steps_are_counted_over_the_most_requests_there_between_pages(
+    make_picker: MakePicker, clock: FakeClock,
+) -> None:
+    # Pages show one running at both ends, but three were in flight in between: 120 tokens are at
+    # least 40 steps (a sequence gains at most one token per step), not 120.
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _page(picker, clock, a, running=0, generated=0)
+    long = picker.pick("m", cost=600, output=256)
+    _page(picker, clock, a, running=1, generated=0)
+    burst = [picker.pick("m", cost=100, output=20) for _ in range(2)]
+    for p in burst:
+        p.lease.release()
+    _page(picker, clock, a, running=1, generated=120)
+    assert _left(picker.signals(a)) == [216]
+    long.lease.release()
+
+
+def test_a_request_picked_after_the_page_is_not_credited(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    _page(picker, clock, a, running=0, generated=0)
+    first = picker.pick("m", cost=600, output=256)
+    clock.advance(0.5)
+    # A page taken while only `first` was in flight arrives after `second` was picked.
+    second = picker.pick("m", cost=600, output=256)
+    picker.observe(a, Sample(0, 1, 0.3, tokens_total=0, generated_total=0), clock.monotonic(), in_flight_at=1)
+    _page(picker, clock, a, running=2, generated=100)
+    assert sorted(_left(picker.signals(a))) == [206, 256]
+    first.lease.release()
+    second.lease.release()
+
+
+def test_a_long_prompt_counts_the_steps_of_its_chunks(make_picker: MakePicker) -> None:
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    picker.pick("m", cost=1300, output=100)  # 1,200 of prompt: up to three steps of prefill
+    picker.pick("m", cost=612, output=100)  # 512: one, the step of its first token
+    assert sorted(_left(picker.signals(a))) == [100, 102]
