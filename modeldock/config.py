@@ -208,6 +208,9 @@ class ScrapeConfig(_Strict):
     timeout_seconds: Annotated[float, Field(gt=0, le=10)] = 0.5
     budget_seconds: Annotated[float, Field(gt=0, le=10)] = 2.0
     path: str = "/metrics"
+    # A request ending on an endpoint reads its page again out of turn (the last page still counts
+    # the KV it held), at most once per this many seconds per endpoint; 0 turns it off.
+    refresh_gap_seconds: Annotated[float, Field(ge=0, le=10)] = 0.05
 
 
 class RoutingConfig(_Strict):

@@ -116,7 +116,8 @@ class ExtProcServer:
         scrape = config.routing.scrape
         self.scraper = Scraper(self.picker, self.clock, interval=scrape.interval_seconds,
                                timeout=scrape.timeout_seconds, budget=scrape.budget_seconds, path=scrape.path,
-                               registry=self.registry)
+                               registry=self.registry, refresh_gap=scrape.refresh_gap_seconds)
+        self.picker.add_release_listener(self.scraper.refresh)
         self.xds = AdsClient(
             options.xds_target,
             [cluster_name(m.name) for m in config.models],

@@ -12,6 +12,8 @@ it to the scorers and to saturation.
 Room listeners (`add_room_listener`) hear "room may have appeared for model M"
 synchronously when a lease of M is released or moved away, and when a sample
 arrives for an endpoint of M; the gateway's queue dispatches from there.
+Release listeners (`add_release_listener`) hear "a request on endpoint E ended
+or moved away" (the scraper reads E's page again: the last one still counts it).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Ledger:
         self.live: frozenset[Endpoint] = frozenset()
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
         self._listeners: list[Callable[[str], None]] = []
+        self._release_listeners: list[Callable[[Endpoint], None]] = []
 
     # -- room ------------------------------------------------------------
 
@@ -88,6 +91,11 @@ class Ledger:
         """`listener(model)`: room may have appeared for `model`. Called synchronously from
         release, move and observe: it must not raise and should only schedule work."""
         self._listeners.append(listener)
+
+    def add_release_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """`listener(endpoint)`: a request counted on `endpoint` ended or moved away. Called
+        synchronously from release and move: it must not raise and should only schedule work."""
+        self._release_listeners.append(listener)
 
     def room(self, model: str) -> None:
         for listener in self._listeners:
@@ -193,7 +201,10 @@ class Ledger:
         load = self.loads.get(endpoint)
         if load is None:
             return
-        load.remove(seq)
+        if seq in load.leases:
+            load.remove(seq)
+            for listener in self._release_listeners:
+                listener(endpoint)
         if load.in_flight == 0 and endpoint not in self.live:
             del self.loads[endpoint]  # gone from the snapshot and nothing left to count
 

@@ -94,14 +94,21 @@ class _EndpointCollector(Collector):
 class ScrapeMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._errors: Counter | None = None
+        self._refreshes: Counter | None = None
         self.round: _Noop | Histogram = _Noop()
         if registry is None:
             return
         self._errors = Counter("modeldock_scrape_errors", "Failed /metrics scrapes by reason.", ["reason"],
                                registry=registry)
+        self._refreshes = Counter("modeldock_scrape_refreshes", "Pages read out of turn after a request ended "
+                                  "there, by outcome (ok or why no sample).", ["outcome"], registry=registry)
         self.round = Histogram("modeldock_scrape_round_seconds", "Wall time of one scrape round.",
                                buckets=ROUND_BUCKETS, registry=registry)
 
     def error(self, reason: str) -> None:
         if self._errors is not None:
             self._errors.labels(reason=reason).inc()
+
+    def refresh(self, outcome: str) -> None:
+        if self._refreshes is not None:
+            self._refreshes.labels(outcome=outcome).inc()

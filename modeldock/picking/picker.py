@@ -178,6 +178,10 @@ class Picker:
         lease of it was released or moved, or a fresh sample arrived for one of its endpoints."""
         self._ledger.add_room_listener(listener)
 
+    def add_release_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """`listener(endpoint)` hears, synchronously, that a request counted there ended or moved away."""
+        self._ledger.add_release_listener(listener)
+
     # -- picking ---------------------------------------------------------
 
     def require_endpoints(self, model: str, *, subset: frozenset[Endpoint] | None = None) -> tuple[Endpoint, ...]:

@@ -8,6 +8,12 @@ A failed fetch changes nothing but a failure count: the old sample just ages.
 KV capacity (`cache_config_info`) is read on an endpoint's first pages until
 found, then once every `capacity_every` rounds: it never changes while the
 server runs, and skipping it keeps the usual parse to the load series.
+
+`refresh(endpoint)` reads one endpoint's page out of turn, when a request there
+ended (`Picker.add_release_listener`): the last page still counts what it held,
+so until the next round the endpoint looks fuller than it is (with a queue
+waiting for room, that is throughput lost). At most one such read per endpoint
+at a time, and none within `refresh_gap` seconds of the last read started.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class Scraper:
         session: aiohttp.ClientSession | None = None,
         registry: CollectorRegistry | None = None,
         capacity_every: int = 120,
+        refresh_gap: float = 0.0,
     ) -> None:
         if interval <= 0 or timeout <= 0 or budget <= 0:
             raise ValueError("interval, timeout and budget must be > 0")
@@ -93,6 +100,11 @@ class Scraper:
         self._round = 0
         self._capacity_every = max(1, capacity_every)
         self._capacity_read: dict[Endpoint, int] = {}  # endpoint -> round its capacity was last read
+        self._refresh_gap = refresh_gap  # 0: no reads out of turn
+        self._targets: dict[Endpoint, str | None] = {}  # the last round's
+        self._read_at: dict[Endpoint, float] = {}  # loop time the last read of each started
+        self._refreshing: set[Endpoint] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -------------------------------------------------------
 
@@ -103,10 +115,10 @@ class Scraper:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
+        for running in [*self._tasks, *([task] if task is not None else [])]:
+            running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await running
         if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
@@ -138,8 +150,13 @@ class Scraper:
         self._round += 1
         for gone in self._capacity_read.keys() - targets.keys():
             del self._capacity_read[gone]
+        for gone in self._read_at.keys() - targets.keys():
+            del self._read_at[gone]
+        self._targets = targets
         loop = asyncio.get_running_loop()
         started = loop.time()
+        for ep in targets:
+            self._read_at[ep] = started
         session = self._ensure_session()
         tasks = {ep: asyncio.create_task(self._fetch(session, ep, model)) for ep, model in targets.items()}
         _, pending = await asyncio.wait(tasks.values(), timeout=self._budget)
@@ -161,6 +178,36 @@ class Scraper:
                 result.failures[ep] = reason
         self._metrics.round.observe(result.seconds)
         return result
+
+    def refresh(self, endpoint: Endpoint) -> None:
+        """Read `endpoint`'s page now (see the module doc); only schedules the read, so it may be
+        called from the ledger's release path. Nothing while stopped or off, for an endpoint the
+        last round did not list, or within the gap of its last read."""
+        if self._refresh_gap <= 0 or self._task is None or endpoint in self._refreshing:
+            return
+        if endpoint not in self._targets:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._read_at.get(endpoint, float("-inf")) < self._refresh_gap:
+            return
+        self._read_at[endpoint] = now
+        self._refreshing.add(endpoint)
+        task = loop.create_task(self._refresh(endpoint, self._targets[endpoint]), name="modeldock-refresh")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh(self, endpoint: Endpoint, model: str | None) -> None:
+        try:
+            fetched = await self._fetch(self._ensure_session(), endpoint, model)
+        except Exception:  # never let one read end in an unretrieved task exception
+            log.exception("scrape of %s failed", endpoint.address)
+            return
+        finally:
+            self._refreshing.discard(endpoint)
+        self._metrics.refresh(fetched.reason or "ok")
+        if fetched.sample is not None:  # a failure only ages the last sample; the rounds count it
+            self._sink.observe(endpoint, fetched.sample, fetched.taken_at, fetched.in_flight_at)
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

@@ -154,6 +154,49 @@ async def test_background_loop_follows_endpoint_changes(servers: list[FakeVllm])
     assert picker.signals(first.endpoint).sample is None  # forgotten with the endpoint
 
 
+async def test_a_request_ending_reads_its_endpoint_again_out_of_turn(servers: list[FakeVllm]) -> None:
+    first, second, *_ = servers
+    picker = Picker(SystemClock())
+    picker.set_endpoints("llama", [first.endpoint, second.endpoint], served_name=MODEL)
+    registry = CollectorRegistry()
+    # Rounds every 30 s: after the first, only a request ending reads a page.
+    async with Scraper(picker, SystemClock(), interval=30.0, timeout=0.3, budget=0.5, refresh_gap=0.2,
+                       registry=registry) as scraper:
+        picker.add_release_listener(scraper.refresh)
+        await _until(lambda: first.requests == 1 and second.requests == 1)
+        await asyncio.sleep(0.25)  # past the gap since the round's read
+        taken = picker.ledger.load(first.endpoint).taken_at
+        pick = picker.pick("llama", subset=frozenset({first.endpoint}))
+        pick.lease.release()
+        await _until(lambda: first.requests == 2)
+        await _until(lambda: picker.ledger.load(first.endpoint).taken_at > taken)
+        # Within the gap of that read, another ending reads nothing; the other endpoint was never read again.
+        again = picker.pick("llama", subset=frozenset({first.endpoint}))
+        again.lease.release()
+        await asyncio.sleep(0.1)
+        assert first.requests == 2 and second.requests == 1
+        assert registry.get_sample_value("modeldock_scrape_refreshes_total", {"outcome": "ok"}) == 1
+    # Stopped: an ending reads nothing.
+    late = picker.pick("llama", subset=frozenset({first.endpoint}))
+    await asyncio.sleep(0.25)
+    late.lease.release()
+    await asyncio.sleep(0.1)
+    assert first.requests == 2
+
+
+async def test_reads_out_of_turn_are_off_with_no_gap(servers: list[FakeVllm]) -> None:
+    first, *_ = servers
+    picker = Picker(SystemClock())
+    picker.set_endpoints("llama", [first.endpoint], served_name=MODEL)
+    async with Scraper(picker, SystemClock(), interval=30.0, timeout=0.3, budget=0.5) as scraper:
+        picker.add_release_listener(scraper.refresh)
+        await _until(lambda: first.requests == 1)
+        await asyncio.sleep(0.05)
+        picker.pick("llama").lease.release()
+        await asyncio.sleep(0.1)
+        assert first.requests == 1
+
+
 async def _until(condition: object, timeout: float = 3.0) -> None:
     assert callable(condition)
     deadline = time.monotonic() + timeout

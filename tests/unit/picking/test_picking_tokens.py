@@ -94,7 +94,7 @@ def test_parser_reads_capacity_only_when_asked_and_the_token_counters() -> None:
     with_capacity = parse_metrics(page, MODEL, capacity=True)
     assert plain is not None and with_capacity is not None
     assert plain.capacity is None
-    assert with_capacity.capacity == 27000 * 16
+    assert with_capacity.capacity == 27000 * 16 and with_capacity.block_size == 16 and plain.block_size is None
     assert plain.tokens_total is not None and plain.tokens_total > 0
     assert (plain.waiting, plain.running, plain.kv) == (with_capacity.waiting, with_capacity.running, 0.5)
 
@@ -174,6 +174,21 @@ def test_room_saturation_by_committed_tokens(make_picker: MakePicker, clock: Fak
     second.lease.release()
 
 
+def test_a_paged_cache_keeps_a_part_empty_block_per_sequence(make_picker: MakePicker, clock: FakeClock) -> None:
+    # 1,000 tokens in blocks of 16: each sequence there may hold up to 15 more than its tokens,
+    # the new one too, so two requests fit in 1,000 - 2 x 15 tokens, not 1,000.
+    picker = make_picker(saturation=Saturation(room=True))
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+    picker.observe(a, Sample(0, 0, 0.0, capacity=1000, block_size=16), clock.monotonic())
+    first = picker.pick("m", cost=600)
+    with pytest.raises(Saturated):
+        picker.pick("m", cost=371)
+    second = picker.pick("m", cost=370)
+    first.lease.release()
+    second.lease.release()
+
+
 def test_room_saturation_by_waiting_and_full_kv(make_picker: MakePicker, clock: FakeClock) -> None:
     picker = make_picker(saturation=Saturation(room=True, kv_full=0.9), fallbacks=1)
     full, busy = endpoints(2)
@@ -216,6 +231,23 @@ def test_room_listeners_hear_release_move_and_samples(make_picker: MakePicker, c
     heard.clear()
     observe(picker, clock, b)
     assert sorted(heard) == ["m", "n"]
+
+
+def test_release_listeners_hear_the_endpoint_a_request_left(make_picker: MakePicker) -> None:
+    picker = make_picker(fallbacks=1)
+    a, b = endpoints(2)
+    picker.set_endpoints("m", [a, b])
+    left: list[object] = []
+    picker.add_release_listener(left.append)
+    pick = picker.pick("m")
+    first = pick.primary
+    other = b if first == a else a
+    assert left == []
+    assert pick.lease.move_to(other.address)  # a retry served it elsewhere: it left `first`
+    assert left == [first]
+    pick.lease.release()
+    pick.lease.release()  # once
+    assert left == [first, other]
 
 
 def test_random_claims_and_releases_keep_tokens_exact() -> None:
