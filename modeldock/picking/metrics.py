@@ -102,6 +102,7 @@ class ScrapeMetrics:
                                registry=registry)
         self._refreshes = Counter("modeldock_scrape_refreshes", "Pages read out of turn after a request ended "
                                   "there, by outcome (ok or why no sample).", ["outcome"], registry=registry)
+        self._refreshes.labels(outcome="ok")  # exported from the start, at 0
         self.round = Histogram("modeldock_scrape_round_seconds", "Wall time of one scrape round.",
                                buckets=ROUND_BUCKETS, registry=registry)
 
