@@ -150,7 +150,8 @@ class Ledger:
 
     # -- samples ---------------------------------------------------------
 
-    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None) -> None:
+    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None,
+                out_of_turn: bool = False) -> None:
         load = self.loads.get(endpoint)
         if load is None:
             if endpoint not in self.live:
@@ -158,7 +159,7 @@ class Ledger:
             load = self.loads[endpoint] = self._new_load(endpoint)
         if taken_at < load.taken_at:
             return  # an older result than the one we hold
-        load.learn(sample, taken_at)
+        load.learn(sample, taken_at, rates=not out_of_turn)
         load.sample = sample
         load.taken_at = taken_at
         load.rebase(self._seq, in_flight_at)

@@ -145,11 +145,14 @@ class Picker:
     def scrape_targets(self) -> dict[Endpoint, str | None]:
         return self._ledger.scrape_targets()
 
-    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None) -> None:
+    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None,
+                out_of_turn: bool = False) -> None:
         """A fresh scrape, taken at `taken_at` when this gateway had `in_flight_at`
         requests on the endpoint (default: as many as now). Picks and completions
-        after that correct the sample until the next one arrives."""
-        self._ledger.observe(endpoint, sample, taken_at, in_flight_at)
+        after that correct the sample until the next one arrives. `out_of_turn`: read
+        outside the scraper's rounds (`Scraper.refresh`): rates and the batch limit are
+        learned from the rounds' pages only."""
+        self._ledger.observe(endpoint, sample, taken_at, in_flight_at, out_of_turn)
 
     def observe_failure(self, endpoint: Endpoint) -> None:
         """A failed scrape: the old sample stays and ages towards stale."""

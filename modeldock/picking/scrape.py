@@ -42,7 +42,8 @@ class ScrapeSink(Protocol):
 
     def scrape_targets(self) -> Mapping[Endpoint, str | None]: ...
 
-    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None) -> None: ...
+    def observe(self, endpoint: Endpoint, sample: Sample, taken_at: float, in_flight_at: int | None = None,
+                out_of_turn: bool = False) -> None: ...
 
     def observe_failure(self, endpoint: Endpoint) -> None: ...
 
@@ -207,7 +208,7 @@ class Scraper:
             self._refreshing.discard(endpoint)
         self._metrics.refresh(fetched.reason or "ok")
         if fetched.sample is not None:  # a failure only ages the last sample; the rounds count it
-            self._sink.observe(endpoint, fetched.sample, fetched.taken_at, fetched.in_flight_at)
+            self._sink.observe(endpoint, fetched.sample, fetched.taken_at, fetched.in_flight_at, out_of_turn=True)
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

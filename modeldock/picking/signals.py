@@ -95,10 +95,10 @@ class Load:
     below it was in the sample (`gone` once it finishes).
     """
 
-    __slots__ = ("capacity", "committed", "counted_at", "counter", "declared", "due", "failures", "gone",
+    __slots__ = ("block", "capacity", "committed", "counted_at", "counter", "declared", "due", "failures", "gone",
                  "gone_tokens", "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated",
-                 "growth", "limit", "mark", "new", "new_tokens", "peak", "running", "sample", "speed", "stepped",
-                 "steps", "taken_at", "block")
+                 "growth", "learned", "limit", "mark", "new", "new_tokens", "peak", "produced", "running", "sample",
+                 "speed", "stepped", "steps", "taken_at")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
@@ -116,7 +116,9 @@ class Load:
         self.block = 0  # tokens per KV block, read with the capacity (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
         self.growth = 0.0  # output tokens/second while busy, smoothed (0: unknown)
-        self.generated: float | None = None  # the last output token counter reading
+        self.generated: float | None = None  # the output token counter at the last page learned from
+        self.produced: float | None = None  # the output token counter at the last page
+        self.learned: Sample | None = None  # the last page learned from (a round's, not one out of turn)
         self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
         self.declared = 0.0  # the batch limit the config gives (models[].max_num_seqs; 0: none, learn it)
         self.drain = 0.0  # tokens/s while full (waiting or at the batch limit at both pages), smoothed; 0: unknown
@@ -171,8 +173,12 @@ class Load:
             self.gone_tokens += tokens
         return tokens
 
-    def learn(self, sample: Sample, taken_at: float) -> None:
-        """Capacity, batch limit and speed from a page: capacity as read; the batch limit is the
+    def learn(self, sample: Sample, taken_at: float, rates: bool = True) -> None:
+        """Capacity, steps, batch limit and speed from a page: capacity as read; the steps since
+        the last page (`_count_steps`) from every page; the rest only from pages read in the
+        scraper's rounds (`rates`; not one read out of turn, perhaps milliseconds after the last:
+        a rate over a few steps is noise, and two pages of a queue that close apart are one
+        moment, not a queue that lasted). The batch limit is the
         most requests seen running while requests waited for a slot in two pages in a row (a
         queue that lasted, not one caught between a request's arrival and the server's next
         step: that would learn a limit far too low), the server's max_num_seqs. A queue waits
@@ -189,10 +195,18 @@ class Load:
         if sample.capacity is not None:
             self.capacity = sample.capacity
             self.block = sample.block_size or 0
+        produced, last, page = sample.generated_total, self.produced, self.sample
+        self.produced = produced
+        if page is not None and last is not None and produced is not None and produced > last:
+            # Each running sequence gains at most one token per step: the steps since the last page
+            # were at least the tokens produced over the most requests there at once.
+            self.stepped = (produced - last) / max(page.running, sample.running, float(self.peak), 1.0)
+        if not rates:
+            return
         total = sample.tokens_total
         if total is not None and self.counter is not None and total < self.counter:
             self.limit = self.declared  # restarted: perhaps with another max_num_seqs
-        before = self.sample
+        before, self.learned = self.learned, sample
         if sample.running > self.limit and (
             self.limit > 0 or (before is not None and self._waits_for_slots(sample) and self._waits_for_slots(before))
         ):
@@ -201,15 +215,9 @@ class Load:
             return
         previous, since, generated = self.counter, self.counted_at, self.generated
         self.counter, self.counted_at, self.generated = total, taken_at, sample.generated_total
-        produced = sample.generated_total
-        if (before is not None and generated is not None and produced is not None and produced > generated
-                and previous is not None and total >= previous):
-            # Each running sequence gains at most one token per step: the steps since the last page
-            # were at least the tokens produced over the most requests there at once.
-            self.stepped = (produced - generated) / max(before.running, sample.running, float(self.peak), 1.0)
         if previous is None or taken_at <= since or total < previous:
             return
-        busy = sample.running > 0 or (self.sample is not None and self.sample.running > 0)
+        busy = sample.running > 0 or (before is not None and before.running > 0)
         if not busy or total == previous:
             return
         rate = (total - previous) / (taken_at - since)

@@ -99,3 +99,33 @@ def test_a_long_prompt_counts_the_steps_of_its_chunks(make_picker: MakePicker) -
     picker.pick("m", cost=1300, output=100)  # 1,200 of prompt: up to three steps of prefill
     picker.pick("m", cost=612, output=100)  # 512: one, the step of its first token
     assert sorted(_left(picker.signals(a))) == [100, 102]
+
+
+def test_pages_read_out_of_turn_count_steps_but_teach_no_rates_or_limit(
+    make_picker: MakePicker, clock: FakeClock,
+) -> None:
+    picker = make_picker()
+    (a,) = endpoints(1)
+    picker.set_endpoints("m", [a])
+
+    def page(generated: float, out_of_turn: bool, after: float, running: float = 1, waiting: float = 0) -> None:
+        clock.advance(after)
+        picker.observe(a, Sample(waiting, running, 0.1, tokens_total=generated, generated_total=generated),
+                       clock.monotonic(), out_of_turn=out_of_turn)
+
+    page(0, False, 0.5)
+    long = picker.pick("m", cost=600, output=256)
+    page(0, False, 0.5)  # shows it
+    page(100, True, 0.01)  # a request ended elsewhere... 10 ms later: 100 steps
+    page(200, False, 0.49)
+    s = picker.signals(a)
+    assert _left(s) == [56]  # steps from every page
+    assert s.speed == 400.0  # 200 tokens over the round's 0.5 s, not 100 over 10 ms
+    long.lease.release()
+    # Requests waiting for a slot at a round page and at a page out of turn just after it: one
+    # moment, not a queue that lasted; at two round pages in a row, the batch limit.
+    page(200, False, 0.5, running=2, waiting=1)
+    page(200, True, 0.01, running=2, waiting=1)
+    assert picker.signals(a).limit == 0
+    page(200, False, 0.49, running=2, waiting=1)
+    assert picker.signals(a).limit == 2
