@@ -21,17 +21,22 @@ def _left(s: Signals) -> list[int]:
     return [ceil(due - s.steps) for due, _ in s.ends]
 
 
-def _page(picker: Picker, clock: FakeClock, ep: Endpoint, running: float, generated: float,
-          waiting: float = 0.0) -> None:
-    clock.advance(0.5)
-    picker.observe(ep, Sample(waiting, running, 0.3, tokens_total=generated, generated_total=generated),
-                   clock.monotonic())
-
-
-def test_steps_count_only_for_requests_the_pages_showed_running(make_picker: MakePicker, clock: FakeClock) -> None:
+def _one_endpoint(make_picker: MakePicker) -> tuple[Picker, Endpoint]:
     picker = make_picker()
     (a,) = endpoints(1)
     picker.set_endpoints("m", [a])
+    return picker, a
+
+
+def _page(picker: Picker, clock: FakeClock, ep: Endpoint, running: float, generated: float,
+          waiting: float = 0.0, *, after: float = 0.5, out_of_turn: bool = False) -> None:
+    clock.advance(after)
+    picker.observe(ep, Sample(waiting, running, 0.3, tokens_total=generated, generated_total=generated),
+                   clock.monotonic(), out_of_turn=out_of_turn)
+
+
+def test_steps_count_only_for_requests_the_pages_showed_running(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker, a = _one_endpoint(make_picker)
     _page(picker, clock, a, running=0, generated=0)
     long = picker.pick("m", cost=600, output=256)
     assert _left(picker.signals(a)) == [256]
@@ -62,9 +67,7 @@ def test_steps_are_counted_over_the_most_requests_there_between_pages(
 ) -> None:
     # Pages show one running at both ends, but three were in flight in between: 120 tokens are at
     # least 40 steps (a sequence gains at most one token per step), not 120.
-    picker = make_picker()
-    (a,) = endpoints(1)
-    picker.set_endpoints("m", [a])
+    picker, a = _one_endpoint(make_picker)
     _page(picker, clock, a, running=0, generated=0)
     long = picker.pick("m", cost=600, output=256)
     _page(picker, clock, a, running=1, generated=0)
@@ -77,9 +80,7 @@ def test_steps_are_counted_over_the_most_requests_there_between_pages(
 
 
 def test_a_request_picked_after_the_page_is_not_credited(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    (a,) = endpoints(1)
-    picker.set_endpoints("m", [a])
+    picker, a = _one_endpoint(make_picker)
     _page(picker, clock, a, running=0, generated=0)
     first = picker.pick("m", cost=600, output=256)
     clock.advance(0.5)
@@ -93,9 +94,7 @@ def test_a_request_picked_after_the_page_is_not_credited(make_picker: MakePicker
 
 
 def test_a_long_prompt_counts_the_steps_of_its_chunks(make_picker: MakePicker) -> None:
-    picker = make_picker()
-    (a,) = endpoints(1)
-    picker.set_endpoints("m", [a])
+    picker, a = _one_endpoint(make_picker)
     picker.pick("m", cost=1300, output=100)  # 1,200 of prompt: up to three steps of prefill
     picker.pick("m", cost=612, output=100)  # 512: one, the step of its first token
     assert sorted(_left(picker.signals(a))) == [100, 102]
@@ -104,28 +103,20 @@ def test_a_long_prompt_counts_the_steps_of_its_chunks(make_picker: MakePicker) -
 def test_pages_read_out_of_turn_count_steps_but_teach_no_rates_or_limit(
     make_picker: MakePicker, clock: FakeClock,
 ) -> None:
-    picker = make_picker()
-    (a,) = endpoints(1)
-    picker.set_endpoints("m", [a])
-
-    def page(generated: float, out_of_turn: bool, after: float, running: float = 1, waiting: float = 0) -> None:
-        clock.advance(after)
-        picker.observe(a, Sample(waiting, running, 0.1, tokens_total=generated, generated_total=generated),
-                       clock.monotonic(), out_of_turn=out_of_turn)
-
-    page(0, False, 0.5)
+    picker, a = _one_endpoint(make_picker)
+    _page(picker, clock, a, running=1, generated=0)
     long = picker.pick("m", cost=600, output=256)
-    page(0, False, 0.5)  # shows it
-    page(100, True, 0.01)  # a request ended elsewhere... 10 ms later: 100 steps
-    page(200, False, 0.49)
+    _page(picker, clock, a, running=1, generated=0)  # shows it
+    _page(picker, clock, a, running=1, generated=100, after=0.01, out_of_turn=True)  # 10 ms later: 100 steps
+    _page(picker, clock, a, running=1, generated=200, after=0.49)
     s = picker.signals(a)
     assert _left(s) == [56]  # steps from every page
     assert s.speed == 400.0  # 200 tokens over the round's 0.5 s, not 100 over 10 ms
     long.lease.release()
     # Requests waiting for a slot at a round page and at a page out of turn just after it: one
     # moment, not a queue that lasted; at two round pages in a row, the batch limit.
-    page(200, False, 0.5, running=2, waiting=1)
-    page(200, True, 0.01, running=2, waiting=1)
+    _page(picker, clock, a, running=2, generated=200, waiting=1)
+    _page(picker, clock, a, running=2, generated=200, waiting=1, after=0.01, out_of_turn=True)
     assert picker.signals(a).limit == 0
-    page(200, False, 0.49, running=2, waiting=1)
+    _page(picker, clock, a, running=2, generated=200, waiting=1, after=0.49)
     assert picker.signals(a).limit == 2
