@@ -58,6 +58,12 @@ def _growing_now(s: Signals) -> float | None:
     return s.kv * s.capacity + s.new_tokens - s.new_outputs + s.age * rate
 
 
+def _sequences(s: Signals) -> float:
+    """Sequences on the endpoint: the page's running + waiting (corrected), or this gateway's
+    requests there when it counts more."""
+    return max(float(s.in_flight), s.running + s.waiting)
+
+
 def fits_as_they_finish(s: Signals, cost: int, output: int, capacity: float) -> bool:
     """Whether a request (`cost` tokens, `output` of them its output limit) fits beside the
     endpoint's sequences, counting that each of this gateway's is done within the steps it has
@@ -76,7 +82,7 @@ def fits_as_they_finish(s: Signals, cost: int, output: int, capacity: float) -> 
         return False
     prompt = cost - output
     n = len(ends)
-    unknown = max(float(s.in_flight), s.running + s.waiting) - n  # run throughout
+    unknown = _sequences(s) - n  # run throughout
     committed = float(s.committed)  # ours that may still run, lowered as they finish
     steps = s.steps
     i = 0
@@ -169,7 +175,7 @@ class Saturation:
             if s.block > 1 and capacity > 0:
                 # The cache is paged: each sequence's last block is part empty (up to block - 1
                 # tokens more than the tokens counted, the new one's too).
-                capacity -= (s.block - 1) * (max(float(s.in_flight), s.running + s.waiting) + 1)
+                capacity -= (s.block - 1) * (_sequences(s) + 1)
             if (s.in_flight and capacity > 0 and held_tokens(s, output) + cost > capacity
                     and (output is None or not fits_as_they_finish(s, cost, output, capacity))):
                 return True
