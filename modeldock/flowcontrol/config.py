@@ -31,7 +31,10 @@ class QueueConfig(BaseModel):
     retry_after_seconds: Annotated[int, Field(ge=1, le=3600)] = 1
     # A request that does not fit may be passed by smaller ones behind it (in its class) that do,
     # until it has waited this long; then it blocks the queue until room for it frees. 0: strict order.
-    backfill_seconds: Annotated[float, Field(ge=0, le=600)] = 0.5
+    # Twice max_wait_seconds: the drain budget admits a request expecting it to start within about
+    # max_wait, and blocking at that age kept slots idle that requests behind the head could use
+    # (the overload benchmark and its exact-knowledge replay, docs/benchmarks.md).
+    backfill_seconds: Annotated[float, Field(ge=0, le=600)] = 1.0
     # Class name -> priority; a higher number is always dispatched first and shed last.
     classes: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=CLASS_NAME)], int] = Field(
         default_factory=lambda: {"interactive": 2, "standard": 1, "batch": 0}, min_length=1

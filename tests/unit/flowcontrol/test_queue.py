@@ -361,6 +361,20 @@ def test_past_backfill_seconds_the_head_blocks_again(idle_loop: asyncio.Abstract
     assert strict.claim_all(budget=120) == []
 
 
+def test_by_default_a_head_is_passed_for_twice_max_wait(idle_loop: asyncio.AbstractEventLoop) -> None:
+    # The drain budget admits a request expecting it to start within about max_wait_seconds; a head
+    # that has waited that long still lets smaller requests use room it cannot, until twice that.
+    h = Harness(idle_loop)
+    assert h.config.backfill_seconds == 2 * (h.config.max_wait_seconds or 0)
+    h.queue.enqueue("a", 500)
+    h.queue.enqueue("a", 50)
+    h.queue.enqueue("a", 60)
+    h.clock.advance(h.config.max_wait_seconds or 0)
+    assert h.claim_all(budget=100) == [("a", 50, "standard")]
+    h.clock.advance(h.config.backfill_seconds)
+    assert h.claim_all(budget=120) == []  # the 60 would fit: the head blocks
+
+
 def test_backfill_stays_in_the_heads_class_and_tries_only_smaller_items(
         idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop, backfill_seconds=0.5)
