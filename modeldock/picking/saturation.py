@@ -41,7 +41,9 @@ def held_tokens(s: Signals, output: int | None) -> float:
     the endpoint's sequences have grown since the sample at its learned output rate (`growth`,
     from vllm:generation_tokens_total; prefills are the prompts above; a page without that
     counter falls back to the whole token rate, `speed`, prompts included: an over-estimate).
-    Waiting requests in the sample count among the sequences that grow."""
+    Waiting requests in the sample count among the sequences that grow. Less what the requests
+    that finished since held when it was read, as far as known (`Signals.freed`): the page read
+    after each ending (scrape.py) says it exactly, but a queued request is tried at the ending."""
     committed = float(s.committed)
     now = _growing_now(s) if output is not None else None
     if now is None or output is None:
@@ -55,7 +57,7 @@ def _growing_now(s: Signals) -> float | None:
     rate = s.growth if s.growth > 0 else s.speed
     if not s.fresh or rate <= 0 or s.capacity <= 0:
         return None
-    return s.kv * s.capacity + s.new_tokens - s.new_outputs + s.age * rate
+    return s.kv * s.capacity - s.freed + s.new_tokens - s.new_outputs + s.age * rate
 
 
 def _sequences(s: Signals) -> float:

@@ -62,6 +62,9 @@ class Signals(NamedTuple):
     ends: Sequence[tuple[float, int]] = ()
     steps: float = 0.0  # the endpoint's engine steps counted so far (a lower bound; `Load.steps`)
     block: int = 0  # tokens per KV block (0: unknown): each sequence may hold up to block - 1 more than its tokens
+    # KV the sample counts that requests finished since had held when it was read, as far as known
+    # (`Load.freed`); 0 when not fresh.
+    freed: float = 0.0
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -97,7 +100,8 @@ class Load:
 
     __slots__ = ("block", "capacity", "committed", "counted_at", "counter", "declared", "due", "failures", "gone",
                  "gone_tokens", "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated",
-                 "growth", "learned", "limit", "mark", "new", "new_tokens", "peak", "produced", "running", "sample",
+                 "freed", "growth", "learned", "limit", "mark", "new", "new_tokens", "peak", "produced", "running",
+                 "sample", "whole",
                  "speed", "stepped", "steps", "taken_at")
 
     def __init__(self) -> None:
@@ -130,6 +134,8 @@ class Load:
         self.new = 0  # in flight and picked after `mark`
         self.gone = 0  # in flight at the sample, finished since
         self.gone_tokens = 0  # their committed tokens
+        self.freed = 0.0  # what those of them the sample showed in the batch held then (`remove`)
+        self.whole = False  # the sample showed every request of this gateway's in flight when it was read
         self.last_pick = 0  # sequence number of the latest pick here (0: never)
         self.failures = 0  # consecutive scrape failures
 
@@ -154,15 +160,28 @@ class Load:
         self.last_pick = seq
 
     def remove(self, seq: int) -> int:
-        """Drop one lease; the tokens it had committed (0 if it was not here)."""
+        """Drop one lease; the tokens it had committed (0 if it was not here).
+
+        A request the sample showed in the batch (`running`) held at least its prompt and the
+        output its counted steps credit it with when the sample was read, and that KV is free
+        now: `freed` takes it off the sample's KV until the next page. Only a lower bound: its
+        committed tokens would over-credit a request that stopped before its limit, and one the
+        sample did not show in the batch may not have held anything then. Nor when the sample
+        showed fewer requests than this gateway had there (`whole`): one may have finished before
+        it was read (the backend frees a request's KV before its last bytes reach the gateway),
+        and its KV is not in the sample."""
         if seq not in self.leases:
             return 0
         tokens = self.leases.pop(seq)
         output = self.outputs.pop(seq, 0)
         if output:
             ends = self.ends
-            del ends[bisect_left(ends, (self.due.pop(seq), tokens))]
-            self.running.discard(seq)
+            due = self.due.pop(seq)
+            del ends[bisect_left(ends, (due, tokens))]
+            if seq in self.running:
+                self.running.remove(seq)
+                if self.whole:
+                    self.freed += tokens - min(float(output), max(0.0, due - self.steps))
         self.committed -= tokens
         if seq > self.mark:
             self.new -= 1
@@ -264,8 +283,10 @@ class Load:
         page can hide ours (the count only ever raises the estimate)."""
         at = len(self.leases) if in_flight_at is None else in_flight_at
         sample = self.sample
+        self.freed = 0.0  # this page's KV no longer counts what finished before it
         shown = sample.running + sample.waiting if sample is not None else float(at)
         unseen = at - int(shown) if shown < at else 0
+        self.whole = unseen == 0
         extra = len(self.leases) - at + unseen
         if extra > 0:
             ordered = sorted(self.leases)
@@ -316,4 +337,4 @@ class Load:
         return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
                        self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens,
                        now - self.taken_at, self.new_outputs, self.growth, ends, self.steps,
-                       self.block)
+                       self.block, self.freed)

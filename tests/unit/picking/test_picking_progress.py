@@ -10,7 +10,7 @@ from math import ceil
 from picking_helpers import endpoints
 
 from modeldock.clock import FakeClock
-from modeldock.picking import Picker, Sample
+from modeldock.picking import Picker, Sample, saturation
 from modeldock.picking.signals import Signals
 from modeldock.types import Endpoint
 
@@ -29,9 +29,10 @@ def _one_endpoint(make_picker: MakePicker) -> tuple[Picker, Endpoint]:
 
 
 def _page(picker: Picker, clock: FakeClock, ep: Endpoint, running: float, generated: float,
-          waiting: float = 0.0, *, after: float = 0.5, out_of_turn: bool = False) -> None:
+          waiting: float = 0.0, *, after: float = 0.5, out_of_turn: bool = False,
+          capacity: float | None = None) -> None:
     clock.advance(after)
-    picker.observe(ep, Sample(waiting, running, 0.3, tokens_total=generated, generated_total=generated),
+    picker.observe(ep, Sample(waiting, running, 0.3, capacity, tokens_total=generated, generated_total=generated),
                    clock.monotonic(), out_of_turn=out_of_turn)
 
 
@@ -120,3 +121,71 @@ def test_pages_read_out_of_turn_count_steps_but_teach_no_rates_or_limit(
     assert picker.signals(a).limit == 0
     _page(picker, clock, a, running=2, generated=200, waiting=1, after=0.49)
     assert picker.signals(a).limit == 2
+
+
+# -- what a request that ended had held ------------------------------------------------------------
+
+
+def test_an_ending_frees_what_the_page_showed_it_holding(make_picker: MakePicker, clock: FakeClock) -> None:
+    # The page still counts an ended request's KV until the next one is read; what it held then is at
+    # least its prompt and the output its counted steps credit it with (not its output limit: it may
+    # have stopped short of it).
+    picker, a = _one_endpoint(make_picker)
+    _page(picker, clock, a, running=0, generated=0)
+    first = picker.pick("m", cost=600, output=256)  # prompt 344
+    second = picker.pick("m", cost=300, output=32)  # prompt 268
+    _page(picker, clock, a, running=2, generated=0)
+    _page(picker, clock, a, running=2, generated=200)  # 100 steps each
+    assert picker.signals(a).freed == 0
+    first.lease.release()
+    assert picker.signals(a).freed == 344 + 100
+    second.lease.release()  # its 32 are all credited (100 steps), no more
+    assert picker.signals(a).freed == 344 + 100 + 268 + 32
+    _page(picker, clock, a, running=0, generated=232)  # the page says it now
+    assert picker.signals(a).freed == 0
+
+
+def test_no_credit_for_what_the_page_did_not_show_in_the_batch(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker, a = _one_endpoint(make_picker)
+    _page(picker, clock, a, running=0, generated=0)
+    shown = picker.pick("m", cost=600, output=256)
+    _page(picker, clock, a, running=1, generated=0)
+    since = picker.pick("m", cost=300, output=32)  # picked after the page: not in its KV
+    since.lease.release()
+    assert picker.signals(a).freed == 0
+    # A page with a request waiting: which of them is in the batch is not known.
+    queued = picker.pick("m", cost=300, output=32)
+    _page(picker, clock, a, running=1, generated=50, waiting=1)
+    shown.lease.release()
+    assert picker.signals(a).freed == 0
+    # A page that shows fewer of them than were in flight: one may have ended before it was read,
+    # its KV already out of the page.
+    _page(picker, clock, a, running=1, generated=100)
+    again = picker.pick("m", cost=400, output=64)
+    _page(picker, clock, a, running=1, generated=150)  # two in flight, one shown
+    queued.lease.release()
+    assert picker.signals(a).freed == 0
+    again.lease.release()
+
+
+def test_what_the_ended_held_comes_off_the_kv_the_tokens_rule_reads(make_picker: MakePicker, clock: FakeClock) -> None:
+    picker, a = _one_endpoint(make_picker)
+    _page(picker, clock, a, running=0, generated=0)
+    first = picker.pick("m", cost=600, output=256)
+    _page(picker, clock, a, running=1, generated=0, capacity=2000)
+    _page(picker, clock, a, running=1, generated=100)
+    before = saturation._growing_now(picker.signals(a))
+    first.lease.release()
+    after = saturation._growing_now(picker.signals(a))
+    assert before is not None and after is not None and before - after == 344 + 100
+
+
+def test_an_ending_before_any_step_was_counted_frees_its_prompt(make_picker: MakePicker, clock: FakeClock) -> None:
+    # A long prompt's chunks are steps without output: its steps left exceed its output limit.
+    picker, a = _one_endpoint(make_picker)
+    _page(picker, clock, a, running=0, generated=0)
+    long_prompt = picker.pick("m", cost=1500, output=10)
+    _page(picker, clock, a, running=1, generated=0)
+    assert _left(picker.signals(a)) == [12]
+    long_prompt.lease.release()
+    assert picker.signals(a).freed == 1490
