@@ -101,8 +101,7 @@ class Load:
     __slots__ = ("block", "capacity", "committed", "counted_at", "counter", "declared", "due", "failures", "gone",
                  "gone_tokens", "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated",
                  "freed", "growth", "learned", "limit", "mark", "new", "new_tokens", "peak", "produced", "running",
-                 "sample", "whole",
-                 "speed", "stepped", "steps", "taken_at")
+                 "sample", "speed", "stepped", "steps", "taken_at", "whole")
 
     def __init__(self) -> None:
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
