@@ -43,9 +43,12 @@ from benchmarks._report import table, write_section  # noqa: E402
 from benchmarks.overload import plan  # noqa: E402
 from benchmarks.routing.workloads import Request  # noqa: E402
 from modeldock.bench.stats import nearest_rank  # noqa: E402
+from modeldock.clock import FakeClock  # noqa: E402
 from modeldock.config import RoutingConfig  # noqa: E402
 from modeldock.flowcontrol import QueueConfig  # noqa: E402
 from modeldock.flowcontrol.cost import estimate_cost  # noqa: E402
+from modeldock.flowcontrol.queue import BACKFILL_SCAN, BACKFILL_TRIES  # noqa: E402
+from modeldock.gateway.director import SHED_AFTER  # noqa: E402
 from modeldock.picking import Lease, Sample, Saturated  # noqa: E402
 from modeldock.picking.factory import build_picker  # noqa: E402
 from modeldock.sim.config import SimConfig  # noqa: E402
@@ -90,9 +93,6 @@ class Outcome:
     @property
     def served_pct(self) -> float:
         return 100.0 * self.served / self.offered if self.offered else 0.0
-
-
-SCAN, TRIES, SHED_AFTER = 16, 4, 0.5  # flowcontrol/queue.py, gateway/director.py
 
 
 def fits(engine: Engine, prompt: int, output: int, pool: Pool, paged_margin: bool) -> bool:
@@ -168,7 +168,7 @@ class Replay:
             if now - head_at >= self.policy.backfill_seconds:
                 return
             smallest, tries = head.prompt_tokens + head.max_tokens, 0
-            for k in range(1, min(len(queue), SCAN + 1)):
+            for k in range(1, min(len(queue), BACKFILL_SCAN + 1)):
                 r = queue[k][1]
                 if r.prompt_tokens + r.max_tokens >= smallest:
                     continue
@@ -176,7 +176,7 @@ class Replay:
                     queue.pop(k)
                     break
                 smallest, tries = r.prompt_tokens + r.max_tokens, tries + 1
-                if tries >= TRIES:
+                if tries >= BACKFILL_TRIES:
                     return
             else:
                 return
@@ -229,18 +229,6 @@ class Replay:
         return Outcome(len(requests), len(ttfts), nearest_rank(ttfts, 95) if ttfts else None,
                        sum(e.preemptions for e in self.engines))
 
-
-
-class _Clock:
-    now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1_700_000_000.0 + self.now
-
-
 class PickerReplay(Replay):
     """The gateway's own picker decides where a request fits (modeldock.picking with the default
     routing config: the tokens rule, the batch limit, the step count), knowing the engines only
@@ -252,7 +240,7 @@ class PickerReplay(Replay):
     def __init__(self, pool: Pool, policy: Policy, drain_tokens_per_s: float = 0.0) -> None:
         super().__init__(pool, policy, drain_tokens_per_s)
         routing = RoutingConfig()
-        self.clock = _Clock()
+        self.clock = FakeClock(start=0.0)
         self.picker = build_picker(routing, self.clock, None, rng=random.Random(0))
         self.endpoints = [Endpoint("127.0.0.1", 8000 + i) for i in range(pool.backends)]
         self.picker.set_endpoints(plan.MODEL, self.endpoints, None, pool.max_num_seqs)
@@ -266,7 +254,7 @@ class PickerReplay(Replay):
 
     def _read(self, e: int, at: float, out_of_turn: bool = False) -> None:
         engine, pool = self.engines[e], self.pool
-        self.clock.now = at
+        self._at(at)
         page = Sample(engine.num_waiting, engine.num_running, engine.kv_usage,
                       float(pool.num_gpu_blocks * pool.block_size),
                       tokens_total=float(self.prompt_tokens[e] + self.generated[e]),
@@ -274,16 +262,20 @@ class PickerReplay(Replay):
         self.picker.observe(self.endpoints[e], page, at, out_of_turn=out_of_turn)
         self.last_read[e] = at
 
+    def _at(self, at: float) -> None:
+        self.clock.advance(at - self.clock.monotonic())
+
     def _until(self, at: float) -> None:
-        for e in range(len(self.engines)):
-            while self.next_read[e] <= at:
-                self._read(e, self.next_read[e])
-                self.next_read[e] += self.interval
-                if self.queue:  # a fresh sample: room may have appeared
-                    self._dispatch(self.clock.now)
+        """The rounds' pages due by `at`, in time order."""
+        while (due := min(self.next_read)) <= at:
+            e = self.next_read.index(due)
+            self._read(e, due)
+            self.next_read[e] += self.interval
+            if self.queue:  # a fresh sample: room may have appeared
+                self._dispatch(due)
 
     def _place(self, r: Request, now: float) -> bool:
-        self.clock.now = now
+        self._at(now)
         cost = estimate_cost({"messages": list(r.messages), "max_tokens": r.max_tokens}, self.default_max_tokens)
         try:
             pick = self.picker.pick(plan.MODEL, cost=cost.total, output=cost.max_new_tokens)
@@ -304,6 +296,7 @@ class PickerReplay(Replay):
                 self._read(e, now, out_of_turn=True)
             self._dispatch(now)
 
+
 def capacity(pool: Pool, seed: int, mix: plan.Mix, warmup: float = 4.0, duration: float = 34.0) -> tuple[float, float]:
     """run.py's closed loop, replayed with no queue: (requests/s, tokens/s) completed in [warmup, duration)."""
     concurrency = pool.backends * pool.max_num_seqs
@@ -317,8 +310,8 @@ def capacity(pool: Pool, seed: int, mix: plan.Mix, warmup: float = 4.0, duration
 
     replay.on_end = next_one
     replay.run([(0.0, next(requests)) for _ in range(concurrency)], until=duration)
-    inside = [tokens for at, tokens in done if warmup <= at < duration]
-    return len(inside) / (duration - warmup), sum(inside) / (duration - warmup)
+    tokens = sum(cost for at, cost in done if warmup <= at < duration)
+    return plan.throughput([at for at, _ in done], warmup, duration), tokens / (duration - warmup)
 
 
 POLICIES = (
