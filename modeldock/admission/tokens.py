@@ -24,6 +24,9 @@ __all__ = ["BYTES_PER_TOKEN", "MAX_CHOICES", "Usage", "estimate_cost"]
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Of prompt_tokens, those the backend served from its prefix cache (`prompt_tokens_details.cached_tokens`):
+    # priced at a model's cached-input rate. 0 when it reported none.
+    cached_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -32,18 +35,32 @@ class Usage:
     @classmethod
     def from_mapping(cls, usage: object) -> Usage | None:
         """OpenAI's `usage` object (or a metadata struct with the same keys); None unless both counts are
-        non-negative whole numbers (JSON numbers may arrive as floats, e.g. from protobuf Struct)."""
+        non-negative whole numbers (JSON numbers may arrive as floats, e.g. from protobuf Struct).
+        `cached_tokens` (flat, or OpenAI's `prompt_tokens_details.cached_tokens`) counts when it is a whole
+        number from 0 to prompt_tokens, else it is taken as 0."""
         if not isinstance(usage, Mapping):
             return None
         counts = []
         for name in ("prompt_tokens", "completion_tokens"):
-            value = usage.get(name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            value = _count(usage.get(name))
+            if value is None:
                 return None
-            if not math.isfinite(value) or value < 0 or value != int(value):
-                return None
-            counts.append(int(value))
-        return cls(counts[0], counts[1])
+            counts.append(value)
+        cached = usage.get("cached_tokens")
+        details = usage.get("prompt_tokens_details")
+        if cached is None and isinstance(details, Mapping):
+            cached = details.get("cached_tokens")
+        hit = _count(cached)
+        return cls(counts[0], counts[1], hit if hit is not None and hit <= counts[0] else 0)
+
+
+def _count(value: object) -> int | None:
+    """A token count: a non-negative whole number (an int, or a float that is one), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        return None
+    return int(value)
 
 
 def estimate_cost(request: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
