@@ -231,6 +231,10 @@ class LimitsConfig(_Strict):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
     # Completion tokens reserved for a request that sets no max_tokens (token budgets only).
     reserve_completion_tokens: Annotated[int, Field(ge=1)] = 1024
+    # A request whose output limit does not fit the tenant's remaining budget, while its prompt and one
+    # token per choice do, is sent with the limit lowered to what fits (x-modeldock-output-limit-reason:
+    # budget) instead of refused; false: refused with 429 tokens_rate_limited.
+    cap_output_to_budget: bool = True
     # Token budgets in Redis: how long a replica admits from a block of tokens it reserved there
     # (admission/README.md "Token leases"); 0 reserves each request in Redis on its own.
     token_lease_ms: Annotated[int, Field(ge=0, le=10_000)] = 1000

@@ -11,7 +11,7 @@ from string import Template
 
 import yaml
 
-from modeldock.admission.budget_headers import LIMIT_TOKENS, REMAINING_TOKENS, RESET_TOKENS
+from modeldock.admission.budget_headers import BUDGET_RESPONSE_HEADERS
 from modeldock.admission.headers import LIMIT, REMAINING, RESET
 from modeldock.config import ListenerConfig
 from modeldock.extproc.attempts import RID_HEADER, USAGE_KEYS, USAGE_LOG_NAME, USAGE_NAMESPACE
@@ -132,7 +132,7 @@ def _attempt_log_clusters(addresses: list[tuple[str, int]]) -> str:
 def _ratelimit_headers() -> str:
     return json.dumps([{"header": {"key": name, "value": f"%DYNAMIC_METADATA({ROUTE_NAMESPACE}:{name})%"},
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-                       for name in (LIMIT, REMAINING, RESET, LIMIT_TOKENS, REMAINING_TOKENS, RESET_TOKENS)])
+                       for name in (LIMIT, REMAINING, RESET, *BUDGET_RESPONSE_HEADERS)])
 
 
 def _block(value: object, indent: int) -> str:

@@ -66,3 +66,19 @@ def _count(value: object) -> int | None:
 def estimate_cost(request: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
     """Tokens to reserve for a parsed chat/completions request whose body was `body_bytes` long."""
     return _estimate(request, reserve_completion_tokens, body_bytes=body_bytes).total
+
+
+def charge_for(prompt: int, output: int, usage: Usage | None, *, sent: bool, backend_error: bool = False) -> Usage:
+    """What a request is charged, the one settlement rule (admission/README.md "The settlement rule").
+
+    `prompt` and `output` are what was reserved for it (the prompt estimate and the output limit the
+    forwarded body carried, all choices). The backend's reported usage is charged exactly. Without it: a
+    body that never reached a backend costs nothing; one that did costs at least its prompt estimate, the
+    prompt alone when the backend answered with an error (it generated nothing), else the whole reservation
+    (the stream was cut, the client left, or no usage came: it may have generated up to its limit).
+    """
+    if usage is not None:
+        return usage
+    if not sent:
+        return Usage(0, 0)
+    return Usage(prompt, 0 if backend_error else output)
