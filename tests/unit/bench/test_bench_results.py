@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -101,6 +102,8 @@ def test_table_shows_errors_and_units() -> None:
     assert ttft_row.split()[1:] == ["3", "200.0", "100.0", "200.0", "300.0", "300.0", "300.0"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the `plot` extra)")
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     tier = tier_result(PARAMS, mixed_records(), wall_time_s=2.0)
     path = tmp_path / "bench.png"
