@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -225,7 +226,7 @@ class RoutingConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    redis_url: str | None = None
+    redis_url: str | None = None  # redis://, rediss:// (host required) or unix:// (socket path required)
     redis_fail_open: bool = False
     redis_timeout_ms: Annotated[int, Field(ge=1, le=5000)] = 50
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
@@ -238,6 +239,14 @@ class LimitsConfig(_Strict):
     # Token budgets in Redis: how long a replica admits from a block of tokens it reserved there
     # (admission/README.md "Token leases"); 0 reserves each request in Redis on its own.
     token_lease_ms: Annotated[int, Field(ge=0, le=10_000)] = 1000
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        problem = None if value is None else redis_url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)  # the message never holds the URL: it may carry a password
+        return value
 
 
 class DiscoveryConfig(_Strict):
@@ -367,14 +376,22 @@ def _where(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+# An unknown key is named only when it looks like a field name: a mis-indented line can turn a value
+# (a URL with its password, say) into a key.
+_FIELD_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
 def parse_config(data: object, source: str = "<config>") -> Config:
+    """The config from parsed YAML. Messages come from `loc` and pydantic's `msg`, never `input`."""
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
         lines = []
-        for err in exc.errors(include_url=False):
+        for err in exc.errors(include_url=False, include_input=False):
             # pydantic adds the validator kind to `loc` for unions; drop non-field parts.
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "union["))))
+            if err["type"] == "extra_forbidden" and loc and not _FIELD_NAME_RE.match(str(loc[-1])):
+                loc = (*loc[:-1], "(a key that is not a field name, not shown)")
             cause = err.get("ctx", {}).get("error")
             if isinstance(cause, _FieldError):
                 loc = (*loc, *cause.loc)
@@ -383,11 +400,35 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError("\n".join(lines)) from None
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with a Redis URL (redis-py's forms), or None; the answer never quotes the URL."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises on a port that is not a number in 0-65535
+    except ValueError:
+        return "must be a redis://, rediss:// or unix:// URL (this one does not parse: a bad port or host)"
+    if parts.scheme not in REDIS_SCHEMES:
+        return "must start with redis://, rediss:// or unix:// (the URL is not shown: it may hold a password)"
+    if parts.scheme == "unix":
+        return None if parts.path not in ("", "/") else "a unix:// URL needs the socket's path (unix:///path/to.sock)"
+    if not parts.hostname:
+        return f"a {parts.scheme}:// URL needs a host ({parts.scheme}://host:6379/0)"
+    if port == 0:
+        return "the port must be 1-65535"
+    return None
+
+
 def with_env_redis(config: Config, environ: Mapping[str, str]) -> Config:
     """`$REDIS_URL` for the shared rate-limit windows when the config sets no `limits.redis_url`."""
     url = environ.get("REDIS_URL")
     if not url or config.limits.redis_url is not None:
         return config
+    problem = redis_url_problem(url)
+    if problem is not None:
+        raise ConfigError(f"$REDIS_URL (applied as limits.redis_url): {problem}")
     return config.model_copy(update={"limits": config.limits.model_copy(update={"redis_url": url})})
 
 
@@ -398,10 +439,45 @@ def load_config(path: str | Path, *, environ: Mapping[str, str] | None = None) -
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte offset {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}:{_yaml_problem(exc, text)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: (top level): must be a mapping with `models` and `tenants`")
     return with_env_redis(parse_config(data, str(path)), os.environ if environ is None else environ)
+
+
+# A quoted fragment in PyYAML's problem text is kept only when it is YAML syntax ("','", "'<stream end>'");
+# one with letters or digits (an alias, a tag, an escape) is source text and may be part of a secret.
+_QUOTED_RE = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def _redact_quoted(text: str) -> str:
+    def keep(match: re.Match[str]) -> str:
+        quoted = match.group(0)
+        syntax = re.fullmatch(r"'<[a-z ]+>'", quoted) or not re.search(r"[A-Za-z0-9]", quoted)
+        return quoted if syntax else "(source text not shown)"
+
+    return _QUOTED_RE.sub(keep, text)
+
+
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
+    """` line:column: not valid YAML: problem (context at line:column)`, built from the marks' numbers and
+    PyYAML's problem and context, never str(exc): that quotes the offending line (its snippet)."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        return f"{line}:{column}: not valid YAML: character #x{exc.character:04x} is not allowed"
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{mark.line + 1}:{mark.column + 1}:" if mark is not None else ""
+        problem = _redact_quoted(exc.problem or "syntax error")
+        if exc.context:
+            context = _redact_quoted(exc.context)
+            cmark = exc.context_mark
+            problem += f" ({context} at {cmark.line + 1}:{cmark.column + 1})" if cmark is not None else f" ({context})"
+        return f"{where} not valid YAML: {problem}"
+    return " not valid YAML"
