@@ -75,19 +75,17 @@ class Band(Generic[T]):
                         return out
         return out
 
-    def newest(self) -> Item[T] | None:
-        """The most recently enqueued item: the first to shed when the queue is full."""
-        best: Item[T] | None = None
-        for flow in self.flows.values():
-            item = flow[-1]
-            if best is None or item.seq > best.seq:
-                best = item
-        return best
-
     def heaviest(self) -> tuple[str, float]:
         """The tenant holding the most of the band, in tokens queued / its weight, and that
-        amount (the band must not be empty). O(tenants waiting in this band)."""
-        return max(((t, self.queued[t] / flow[0].weight) for t, flow in self.flows.items()), key=lambda x: x[1])
+        amount (the band must not be empty); ties go to the tenant with the newest item, so
+        equal tenants shed newest first. O(tenants waiting in this band).
+
+        The heaviest tenant is always at or over its weighted share of the band (the largest
+        tokens / weight is at least their weighted mean, sum(tokens) / sum(weights)), and over
+        it whenever any tenant is: shedding its newest item never evicts a tenant within its
+        share while another is over it."""
+        tenant, flow = max(self.flows.items(), key=lambda kv: (self.queued[kv[0]] / kv[1][0].weight, kv[1][-1].seq))
+        return tenant, self.queued[tenant] / flow[0].weight
 
     def remove(self, item: Item[T], *, dispatched: bool) -> None:
         flow = self.flows[item.tenant]

@@ -121,13 +121,13 @@ class FlowQueue(Generic[T]):
     ) -> Item[T]:
         """Queue a request, or raise RateLimited(queue_full) if it may not wait.
 
-        When the queue is full, a new item of a higher class than the lowest one
-        present evicts the newest item of that lowest class; of the same class, it
-        evicts the newest item of the tenant holding the most of that band (tokens
-        queued / weight) if that is another tenant holding more than the new item's
-        would with it (the flooding tenant is shed, not the one that arrives);
-        otherwise the new item is refused. `max_ahead`: refuse it too when the tokens that would be
-        dispatched before it (`ahead`) exceed this (the caller's drain budget;
+        When the queue is full, the victim is always the newest item of the tenant
+        holding the most of the lowest class present (tokens queued there / weight):
+        a new item of a higher class evicts it; of the same class, only if that is
+        another tenant holding more than the new item's would with it (the flooding
+        tenant is shed, not the one that arrives); otherwise the new item is refused.
+        `max_ahead`: refuse it too when the tokens that would be dispatched before it
+        (`ahead`) exceed this (the caller's drain budget;
         `wait_hint` is the wait that budget stands for, for the message). `protected`: the
         item will be tried past unprotected heads (dispatch's `protected`), so in its own band
         only its own flow is ahead of it. `shed_after`: the budget applies only once the oldest
@@ -180,16 +180,19 @@ class FlowQueue(Generic[T]):
 
     def _victim(self, tenant: str, priority: int, share: float) -> Item[T] | None:
         """What a new item of `tenant` (class `priority`, `share` = cost / weight) evicts from a
-        full queue, if anything (enqueue's rule)."""
+        full queue, if anything (enqueue's rule). One rule in every class: the victim is the
+        newest item of the lowest class present's heaviest tenant (`Band.heaviest`), so a tenant
+        within its share of that class is never shed while another is over it. A higher class
+        always sheds it (priority); the same class only when the heaviest is another tenant that
+        holds more than the new item's would with it; a lower class never."""
         lowest = next(band for band in reversed(self._bands) if band.length)
-        if lowest.priority < priority:
-            return lowest.newest()
         if lowest.priority > priority:
             return None
         heaviest, held = lowest.heaviest()
-        mine = lowest.flows.get(tenant)
-        if heaviest == tenant or held <= share + (lowest.queued[tenant] / mine[0].weight if mine else 0.0):
-            return None
+        if lowest.priority == priority:
+            mine = lowest.flows.get(tenant)
+            if heaviest == tenant or held <= share + (lowest.queued[tenant] / mine[0].weight if mine else 0.0):
+                return None
         return lowest.flows[heaviest][-1]
 
     def ahead(self, tenant: str, priority: int, weight: float = 1.0, protected: bool = False) -> float:
