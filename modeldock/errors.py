@@ -25,9 +25,11 @@ class Rejection(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
         detail: str = "",
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, when one is (OpenAI's `param`)
         self.detail = detail  # for the log only: the real reason when the message hides it
         if code is not None:
             self.code = code
@@ -38,7 +40,7 @@ class Rejection(Exception):
         self.model = ""
 
     def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class BadRequest(Rejection):

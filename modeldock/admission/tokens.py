@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from modeldock.flowcontrol.cost import CHARS_PER_TOKEN as BYTES_PER_TOKEN
-from modeldock.flowcontrol.cost import MAX_CHOICES
 from modeldock.flowcontrol.cost import estimate_cost as _estimate
 
-__all__ = ["BYTES_PER_TOKEN", "MAX_CHOICES", "Usage", "estimate_cost"]
+__all__ = ["BYTES_PER_TOKEN", "Usage", "charge_for", "estimate_cost"]
 
 
 @dataclass(frozen=True, slots=True)

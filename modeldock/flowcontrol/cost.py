@@ -17,8 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
+from modeldock.errors import BadRequest
+
 CHARS_PER_TOKEN = 4
-MAX_CHOICES = 128
 # Chat templates add role markers around each message; ~3 tokens with Llama-3's template.
 MESSAGE_OVERHEAD_TOKENS = 3
 
@@ -76,25 +79,108 @@ def _prompt_tokens(body: Mapping[str, Any]) -> int:
     return 0
 
 
-def _limit(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return None
+# vLLM's request models are pydantic in lax mode: an integer field takes 5000.0, "5000", " 5_000 ", True.
+# The gateway reads them with the same parser, so that what it counts is what the backend will do.
+_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+# The fields whose value bounds what the backend may generate.
+LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "n", "best_of")
 
 
-def estimate_cost(body: Mapping[str, Any], default_max_tokens: int, *, body_bytes: int | None = None) -> RequestCost:
+@dataclass(frozen=True, slots=True)
+class OutputLimit:
+    """What bounds a request's output, read as the backend reads it (`read_output_limit`)."""
+
+    per_choice: int | None  # max_completion_tokens (chat) or max_tokens; None: the client set none
+    choices: int  # sequences the backend generates: prompts x max(n, best_of)
+
+    def tokens(self, default_per_choice: int) -> int:
+        """Output tokens the request may generate, all sequences, with `default_per_choice` when unset."""
+        return (self.per_choice if self.per_choice is not None else default_per_choice) * self.choices
+
+
+def _lax_int(body: Mapping[str, Any], name: str, strict: bool) -> int | None:
+    """The field as vLLM reads it, or None when absent (or null). Strict: a value vLLM would refuse, or a
+    count below 1, is a 400 naming the field; lenient: such a value counts as absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is int:  # the usual case, without the parser
+        number: int | None = value
+    else:
+        try:
+            number = _LAX_INT.validate_python(value)
+        except ValidationError:
+            number = None
+    if number is not None and number >= 1:
+        return number
+    if not strict:
+        return None
+    raise BadRequest(f"`{name}` must be a positive integer.", code="invalid_value", param=name)
+
+
+def _prompts(body: Mapping[str, Any]) -> int:
+    """Prompts in a request: a /v1/completions `prompt` list of strings or of token-id lists is a batch
+    (one completion each); a list of token ids, a string or chat messages is one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(e, int) for e in prompt):
+        return len(prompt)
+    return 1
+
+
+def read_output_limit(body: dict[str, Any], *, chat: bool, strict: bool = True) -> tuple[OutputLimit, bool]:
+    """The request's output bound, and whether the body was rewritten to the canonical integers counted.
+
+    As vLLM reads them: on /v1/chat/completions `max_completion_tokens or max_tokens`, on /v1/completions
+    `max_tokens` (vLLM ignores the other name there); `n` and `best_of` any positive integer, the backend
+    generating max(n, best_of) sequences per prompt. A value in another form vLLM accepts (5000.0, "5000")
+    is written back as the integer, so that the backend sees exactly what was counted (strict only).
+    """
+    changed = False
+    values: dict[str, int | None] = {}
+    for name in LIMIT_FIELDS:
+        if name == "max_completion_tokens" and not chat:
+            values[name] = None
+            continue
+        number = values[name] = _lax_int(body, name, strict)
+        if strict and number is not None and type(body[name]) is not int:
+            body[name] = number
+            changed = True
+    per_choice = values["max_completion_tokens"] or values["max_tokens"]
+    n = values["n"] or 1
+    best_of = values["best_of"]
+    if strict and best_of is not None and best_of < n:
+        raise BadRequest("`best_of` must be at least `n`.", code="invalid_value", param="best_of")
+    choices = max(n, best_of or 1) * _prompts(body)
+    return OutputLimit(per_choice, choices), changed
+
+
+def write_output_limit(body: dict[str, Any], per_choice: int, *, chat: bool) -> None:
+    """Set the output limit the backend will read to `per_choice`: every limit field the client sent that
+    the backend reads, or `max_tokens` when it sent none."""
+    wrote = False
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
+        if body.get(name) is not None:
+            body[name] = per_choice
+            wrote = True
+    if not wrote:
+        body["max_tokens"] = per_choice
+
+
+def estimate_cost(body: Mapping[str, Any], default_max_tokens: int, *, body_bytes: int | None = None,
+                  limit: OutputLimit | None = None) -> RequestCost:
     """Prompt tokens (estimated) plus the output tokens the request may generate.
 
-    `max_completion_tokens` wins over `max_tokens` (OpenAI's newer name); with
-    neither, or a value that is not a positive integer, `default_max_tokens`; times
-    `n` (1 to 128) choices. The prompt is counted from its text (at least 1 token), or,
-    given `body_bytes`, as the body's bytes / 4 (an upper bound, for budgets).
+    The output is `limit` (from `read_output_limit`), else read leniently from the body (a value that is
+    not a positive integer counts as unset); `default_max_tokens` per choice when no limit is set. The
+    prompt is counted from its text (at least 1 token), or, given `body_bytes`, as the body's bytes / 4
+    (an upper bound, for budgets).
     """
     if body_bytes is None:
         prompt = max(1, _prompt_tokens(body))
     else:
         prompt = -(-max(body_bytes, 0) // CHARS_PER_TOKEN)
-    limit = _limit(body.get("max_completion_tokens")) or _limit(body.get("max_tokens"))
-    n = _limit(body.get("n"))
-    choices = n if n is not None and n <= MAX_CHOICES else 1
-    return RequestCost(prompt_tokens=prompt, max_new_tokens=(limit or default_max_tokens) * choices)
+    if limit is None:
+        # Lenient reads never write to the body.
+        limit, _ = read_output_limit(body if isinstance(body, dict) else dict(body), chat="messages" in body,
+                                     strict=False)
+    return RequestCost(prompt_tokens=prompt, max_new_tokens=limit.tokens(default_max_tokens))

@@ -142,4 +142,23 @@ def parse_body(body: bytes) -> dict[str, object]:
         raise BadRequest("`model` must be a string.", code="invalid_model")
     if not model or len(model) > 256 or _CONTROL.search(model):
         raise BadRequest("`model` must be 1-256 printable characters.", code="invalid_model")
+    check_stream(data)
     return data
+
+
+def check_stream(data: dict[str, object]) -> None:
+    """`stream` and `stream_options.include_usage` are JSON booleans. A backend that parses leniently (vLLM
+    reads "true" and 1 as true) would stream a request the gateway took for a plain one, without the usage
+    the gateway asked for."""
+    stream = data.get("stream")
+    if stream is not None and type(stream) is not bool:
+        raise BadRequest("`stream` must be true or false.", code="invalid_value", param="stream")
+    options = data.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise BadRequest("`stream_options` must be an object.", code="invalid_value", param="stream_options")
+    include = options.get("include_usage")
+    if include is not None and type(include) is not bool:
+        raise BadRequest("`stream_options.include_usage` must be true or false.", code="invalid_value",
+                         param="stream_options.include_usage")

@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -127,15 +126,8 @@ def rid(name: str) -> str:
 
 def sim_tokens(sims: list[Sim]) -> tuple[int, int]:
     """(prompt, generation) tokens the simulators counted, from their own /metrics."""
-    prompt = generation = 0
-    for sim in sims:
-        text = urllib.request.urlopen(f"{sim.url}/metrics", timeout=2).read().decode()  # noqa: S310
-        for line in text.splitlines():
-            if line.startswith("vllm:prompt_tokens_total"):
-                prompt += int(float(line.rsplit(" ", 1)[1]))
-            elif line.startswith("vllm:generation_tokens_total"):
-                generation += int(float(line.rsplit(" ", 1)[1]))
-    return prompt, generation
+    counts = [sim.token_counters() for sim in sims]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def test_a_non_streaming_request_is_charged_its_reported_usage_and_carries_token_headers(env: Env) -> None:

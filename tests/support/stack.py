@@ -74,6 +74,17 @@ class Sim:
     def fault(self, mode: str, **kwargs: Any) -> None:
         http_json("POST", f"{self.url}/sim/fault", {"mode": mode, **kwargs})
 
+    def token_counters(self) -> tuple[int, int]:
+        """(prompt, generation) tokens this simulator counted, from its own /metrics (vLLM's names)."""
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=2).read().decode()  # noqa: S310
+        prompt = generation = 0
+        for line in text.splitlines():
+            if line.startswith("vllm:prompt_tokens_total"):
+                prompt += int(float(line.rsplit(" ", 1)[1]))
+            elif line.startswith("vllm:generation_tokens_total"):
+                generation += int(float(line.rsplit(" ", 1)[1]))
+        return prompt, generation
+
     def healthy(self) -> bool:
         try:
             urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()  # noqa: S310

@@ -76,4 +76,4 @@ def test_one_estimator_for_picking_and_budgets() -> None:
     by_bytes = estimate_cost(body, 7, body_bytes=1000)
     assert by_bytes.prompt_tokens == 250 and by_bytes.max_new_tokens == 60
     assert budget_cost(body, 1000, 7) == by_bytes.total
-    assert estimate_cost({"prompt": "a", "n": 1000}, 7).max_new_tokens == 7  # n out of range: 1
+    assert estimate_cost({"prompt": "a", "n": 1000}, 7).max_new_tokens == 7000  # any n: each choice generates
