@@ -25,11 +25,15 @@ def test_chat_text_and_multipart_content_count_with_message_overhead() -> None:
     assert cost.total == cost.prompt_tokens + 100
 
 
-def test_max_completion_tokens_wins_and_default_fills_in() -> None:
-    assert estimate_cost({"prompt": "abcd", "max_tokens": 5, "max_completion_tokens": 9}, 7).max_new_tokens == 9
+def test_max_completion_tokens_wins_in_chat_and_default_fills_in() -> None:
+    chat = [{"role": "user", "content": "abcd"}]
+    assert estimate_cost({"messages": chat, "max_tokens": 5, "max_completion_tokens": 9}, 7).max_new_tokens == 9
+    # /v1/completions has no max_completion_tokens in vLLM: the backend reads max_tokens.
+    assert estimate_cost({"prompt": "abcd", "max_tokens": 5, "max_completion_tokens": 9}, 7).max_new_tokens == 5
     assert estimate_cost({"prompt": "abcd"}, 7).max_new_tokens == 7
-    # Not a positive integer: the default, never an error.
-    for bad in (0, -3, True, "12", 1.5, None):
+    # Forms vLLM's lax parse takes count as it counts them; the lenient read never raises.
+    assert estimate_cost({"prompt": "abcd", "max_tokens": "12"}, 7).max_new_tokens == 12
+    for bad in (0, -3, 1.5, None, "x"):
         assert estimate_cost({"prompt": "abcd", "max_tokens": bad}, 7).max_new_tokens == 7
 
 
