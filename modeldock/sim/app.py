@@ -16,10 +16,10 @@ from aiohttp import web
 from modeldock.clock import Clock
 from modeldock.sim.config import SimConfig
 from modeldock.sim.driver import Driver, Handle
-from modeldock.sim.engine import Engine
+from modeldock.sim.engine import Engine, TokenOut
 from modeldock.sim.hooks import Fault, FaultPlan, RequestLog, parse_fault, read_json
 from modeldock.sim.metrics import SimMetrics
-from modeldock.sim.protocol import DONE_EVENT, ApiError, Job, Kind, Reply, parse_job
+from modeldock.sim.protocol import DONE_EVENT, ApiError, Choice, Job, Kind, Reply, parse_job
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 # Paths not written to the request log: probes would push the requests tests look for out of it.
@@ -29,6 +29,8 @@ DRAIN_BEFORE_RESET_S = 0.01
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# A request's sequences by engine id: the choice each serves and its driver handle.
+Handles = dict[str, tuple[Choice, Handle]]
 
 
 class SimApp:
@@ -103,61 +105,74 @@ class SimApp:
 
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         reply = Reply(job, request_id, self.config.model, int(self.clock.time()))
-        handle = self.driver.submit(request_id, job.prompt, job.max_tokens, job.finish_reason)
+        # Each (prompt, sample) pair is its own sequence in the engine, as vLLM fans a request out, so
+        # batching, KV and the token counters see every one; their tokens come back on one queue.
+        queue: asyncio.Queue[TokenOut | None] = asyncio.Queue()
+        handles: dict[str, tuple[Choice, Handle]] = {}
         try:
+            for k, choice in enumerate(job.choices):
+                sequence_id = request_id if len(job.choices) == 1 else f"{request_id}-{k}"
+                handle = self.driver.submit(sequence_id, choice.prompt, choice.max_tokens, choice.finish_reason,
+                                            queue)
+                handles[sequence_id] = (choice, handle)
             if job.stream:
-                return await self._stream(request, job, reply, handle, fault)
-            return await self._whole(request, reply, handle, fault)
+                return await self._stream(request, job, reply, handles, queue, fault)
+            return await self._whole(request, reply, handles, queue, fault)
         except ConnectionError:
             # A write found the client gone. Not an error worth a traceback in the log;
             # aiohttp fails to send this placeholder and drops the connection quietly.
             return web.Response()
         finally:
             # Client gone (handler cancelled or a write failed), a fault, or shutdown.
-            if not handle.done:
-                self.driver.cancel(handle, self.clock.monotonic())
+            now = self.clock.monotonic()
+            for _, handle in handles.values():
+                if not handle.done:
+                    self.driver.cancel(handle, now)
 
-    async def _whole(self, request: web.Request, reply: Reply, handle: Handle, fault: Fault) -> web.StreamResponse:
-        while not handle.done:
-            if await handle.queue.get() is None:
+    async def _whole(self, request: web.Request, reply: Reply, handles: Handles,
+                     queue: asyncio.Queue[TokenOut | None], fault: Fault) -> web.StreamResponse:
+        while not all(handle.done for _, handle in handles.values()):
+            if await queue.get() is None:
                 _reset(request)
                 return web.Response()
         if fault.mode == "die_after_chunks":
             # A non-streaming reply has no chunks: the connection dies before the answer.
             _reset(request)
             return web.Response()
-        assert handle.finish_reason is not None
-        return web.json_response(reply.full(handle.num_output, handle.finish_reason))
+        outputs = [(handle.num_output, handle.finish_reason or "abort")
+                   for choice, handle in handles.values() if choice.returned]
+        return web.json_response(reply.full(outputs))
 
-    async def _stream(
-        self, request: web.Request, job: Job, reply: Reply, handle: Handle, fault: Fault
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: Job, reply: Reply, handles: Handles,
+                      queue: asyncio.Queue[TokenOut | None], fault: Fault) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         budget = fault.chunks if fault.mode == "die_after_chunks" else None
         sent = 0
-        queue = handle.queue
+        unfinished = len(handles)
         while True:
             item = await queue.get()
             events: list[bytes] = []
-            finished = False
             # Write every token already waiting in one go: one syscall, several SSE events.
             while True:
                 if item is None:  # shutting down
                     _reset(request)
                     return response
-                if item.index == 0 and job.kind == "chat":
-                    events.append(reply.role_event())
-                events.append(reply.token_event(item.index, item.finish_reason))
+                choice, _ = handles[item.request_id]
+                if choice.returned:  # best_of's extra samples are generated, never sent
+                    if item.index == 0 and job.kind == "chat":
+                        events.append(reply.role_event(choice.index))
+                    events.append(reply.token_event(item.index, item.finish_reason, choice))
                 if item.finish_reason is not None:
-                    finished = True
-                    break
-                if queue.empty():
+                    unfinished -= 1
+                if unfinished == 0 or queue.empty():
                     break
                 item = queue.get_nowait()
+            finished = unfinished == 0
             if finished:
                 if job.include_usage:
-                    events.append(reply.usage_event(handle.num_output))
+                    completion = sum(handle.num_output for choice, handle in handles.values() if choice.returned)
+                    events.append(reply.usage_event(completion))
                 events.append(DONE_EVENT)
             if budget is not None and (finished or sent + len(events) >= budget):
                 sendable = events[:-1] if finished else events  # never the [DONE]
@@ -167,7 +182,8 @@ class SimApp:
                 await asyncio.sleep(DRAIN_BEFORE_RESET_S)
                 _reset(request)
                 return response
-            await response.write(b"".join(events))
+            if events:
+                await response.write(b"".join(events))
             sent += len(events)
             if finished:
                 await response.write_eof()

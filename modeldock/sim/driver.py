@@ -64,8 +64,12 @@ class Driver:
         for handle in self._handles.values():
             handle.queue.put_nowait(None)
 
-    def submit(self, request_id: str, prompt: Prompt, max_tokens: int, finish_reason: str) -> Handle:
+    def submit(self, request_id: str, prompt: Prompt, max_tokens: int, finish_reason: str,
+               queue: asyncio.Queue[TokenOut | None] | None = None) -> Handle:
+        """One sequence into the engine; its tokens go to `queue` (shared by a request's choices) or its own."""
         handle = Handle(request_id, prompt.num_tokens, self.clock.monotonic())
+        if queue is not None:
+            handle.queue = queue
         self.engine.add(request_id, prompt.num_tokens, max_tokens, prompt.block_hashes, finish_reason)
         self._handles[request_id] = handle
         self._wake.set()

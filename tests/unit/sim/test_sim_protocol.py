@@ -76,12 +76,18 @@ def test_completion_prompts_may_be_text_or_token_ids() -> None:
         ("chat", [], 400, "JSON object"),
         ("chat", {"model": "m"}, 400, "messages"),
         ("chat", {"model": "m", "messages": []}, 400, "messages"),
-        ("chat", chat(max_tokens="5"), 400, "max_tokens"),
+        ("chat", chat(max_tokens="5.5"), 400, "max_tokens"),
+        ("chat", chat(max_tokens=5.5), 400, "fractional part"),
         ("chat", chat(max_tokens=0), 400, "max_tokens"),
         ("chat", chat(stream_options={"include_usage": True}), 400, "stream=True"),
-        ("chat", chat(n=2), 400, "n=1"),
+        ("chat", chat(n=0), 400, "`n` must be at least 1"),
+        ("chat", chat(n=2, best_of=1), 400, "best_of must be greater than or equal to n"),
+        ("chat", chat(stream="maybe"), 400, "`stream`"),
+        ("chat", chat(stream=2), 400, "`stream`"),
         ("chat", chat(model="other"), 404, "`other` does not exist"),
-        ("completion", {"prompt": ["a", "b"]}, 400, "one prompt"),
+        ("completion", {"prompt": ["a", 1]}, 400, "prompt"),
+        ("completion", {"prompt": [[1], []]}, 400, "prompt"),
+        ("completion", {"prompt": []}, 400, "prompt"),
         ("completion", {"prompt": 5}, 400, "prompt"),
         ("completion", {"prompt": "x" * 400}, 400, "maximum context length is 100 tokens"),
         ("completion", {"prompt": "x" * 200, "max_tokens": 51}, 400, "(50 in the messages, 51 in the completion)"),
@@ -133,10 +139,10 @@ def test_completion_events_and_whole_replies() -> None:
     event = _event_json(reply.token_event(2, "length"))
     assert event["object"] == "text_completion"
     assert event["choices"][0]["text"] == token_text(job.seed, 2)
-    whole = reply.full(3, "length")
+    whole = reply.full([(3, "length")])
     assert whole["choices"][0]["text"] == reply_text(job.seed, 3)
     assert whole["usage"]["completion_tokens"] == 3
-    chat_whole = Reply(parse_job("chat", chat(), CONFIG), "chatcmpl-2", "m", 5).full(2, "stop")
+    chat_whole = Reply(parse_job("chat", chat(), CONFIG), "chatcmpl-2", "m", 5).full([(2, "stop")])
     assert chat_whole["object"] == "chat.completion"
     assert chat_whole["choices"][0]["message"]["role"] == "assistant"
     assert chat_whole["choices"][0]["finish_reason"] == "stop"
