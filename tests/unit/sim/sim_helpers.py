@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from modeldock.sim import Simulator
 
@@ -30,3 +31,25 @@ async def post_json(http: aiohttp.ClientSession, sim: Simulator, path: str, body
     async with http.post(sim.url + path, json=body) as resp:
         assert resp.status == 200, await resp.text()
         return await resp.json()
+
+
+LABELS = {"model_name": "demo-model", "engine": "0"}
+
+
+async def scrape(http: aiohttp.ClientSession, sim: Simulator) -> dict[str, Any]:
+    """Metric family name -> (type, {(sample name, sorted labels): value})."""
+    async with http.get(sim.url + "/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    families: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+        families[family.name] = (family.type, samples)
+    return families
+
+
+def value(families: dict[str, Any], sample: str, **labels: str) -> float:
+    family = sample.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
+    key = (sample, tuple(sorted({**LABELS, **labels}.items())))
+    return float(families[family][1][key])

@@ -7,32 +7,10 @@ from typing import Any
 
 import aiohttp
 from conftest import StartSim
-from prometheus_client.parser import text_string_to_metric_families
-from sim_helpers import get_json, wait_for
+from sim_helpers import get_json, scrape, value, wait_for
 
 from modeldock.sim import Simulator
 from modeldock.sim.tokens import text_prompt
-
-LABELS = {"model_name": "demo-model", "engine": "0"}
-
-
-async def scrape(http: aiohttp.ClientSession, sim: Simulator) -> dict[str, Any]:
-    """Metric family name -> (type, {(sample name, sorted labels): value})."""
-    async with http.get(sim.url + "/metrics") as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        text = await resp.text()
-    families: dict[str, Any] = {}
-    for family in text_string_to_metric_families(text):
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
-        families[family.name] = (family.type, samples)
-    return families
-
-
-def value(families: dict[str, Any], sample: str, **labels: str) -> float:
-    family = sample.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
-    key = (sample, tuple(sorted({**LABELS, **labels}.items())))
-    return float(families[family][1][key])
 
 
 async def test_vllm_metric_names_types_and_labels(sim: Simulator, http: aiohttp.ClientSession) -> None:
