@@ -378,7 +378,7 @@ def _where(loc: tuple[int | str, ...]) -> str:
 
 # An unknown key is named only when it looks like a field name: a mis-indented line can turn a value
 # (a URL with its password, say) into a key.
-_FIELD_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_FIELD_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
 def parse_config(data: object, source: str = "<config>") -> Config:
