@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TextIO
 
 from modeldock.usage.summary import (
     ReadStats,
@@ -13,14 +14,16 @@ from modeldock.usage.summary import (
     format_json,
     format_table,
     parse_when,
+    printable,
     read_records,
     summarize,
 )
 
 DESCRIPTION = """\
 Add up usage records (JSON lines written by ext_proc, see modeldock/usage/README.md) per tenant,
-or per tenant and model, over a time range: requests, prompt and completion tokens, cancelled
-requests, errors (status >= 400, not cancelled), and requests whose tokens were estimated.
+or per tenant and model, over a time range: requests, prompt, completion and cached tokens,
+cancelled requests, errors (status >= 400, not cancelled, not rejected), requests the gateway
+rejected itself, requests whose tokens were estimated, and cost (in the price's currency).
 
 The range is [--since, --until): a record counts by the time its request ended."""
 
@@ -30,8 +33,9 @@ examples:
   modeldock usage /var/lib/modeldock/ --since 2025-01-01 --until 2025-02-01 --by model --csv
   modeldock usage a.jsonl b.jsonl --tenant acme --json
 
-A torn last line (a crash mid-write) or a record of another format version is skipped and
-reported on stderr; the other records still count."""
+A torn last line (a crash mid-write), a malformed record or a record of another format version
+is skipped and counted by reason on stderr; the other records still count. Tenant and model
+names are printed with control characters escaped (\\x1b)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
         since = parse_when(args.since, now) if args.since else None
         until = parse_when(args.until, now) if args.until else None
     except ValueError as exc:
-        print(f"modeldock usage: {exc}", file=sys.stderr)
+        _fail(str(exc))
         return 2
     if since is not None and until is not None and until <= since:
-        print("modeldock usage: --until must be after --since", file=sys.stderr)
+        _fail("--until must be after --since")
         return 2
     try:
         paths = expand(args.files)
@@ -70,17 +74,24 @@ def run(args: argparse.Namespace) -> int:
         summary = summarize(read_records(paths, stats), since, until, by_model=args.by == "model",
                             tenants=frozenset(args.tenant) if args.tenant else None)
     except OSError as exc:
-        print(f"modeldock usage: {exc}", file=sys.stderr)
+        _fail(str(exc))
         return 2
     if args.json:
-        sys.stdout.write(format_json(summary, stats))
+        _write(sys.stdout, format_json(summary, stats))
     elif args.csv:
-        sys.stdout.write(format_csv(summary))
+        _write(sys.stdout, format_csv(summary))
     else:
-        sys.stdout.write(format_table(summary))
-    skipped = stats.unreadable + stats.unsupported
-    if skipped:
-        print(f"modeldock usage: skipped {stats.unreadable} unreadable line(s) (torn or not a record) and "
-              f"{stats.unsupported} record(s) of another format version; first: {stats.first_problem}",
-              file=sys.stderr)
+        _write(sys.stdout, format_table(summary))
+    if stats.skipped:
+        _write(sys.stderr, f"modeldock usage: {stats.describe()}\n")
     return 0
+
+
+def _fail(reason: str) -> None:
+    _write(sys.stderr, f"modeldock usage: {printable(reason)}\n")  # a file name can hold an ESC too
+
+
+def _write(stream: TextIO, text: str) -> None:
+    """Write `text`; what the stream's encoding cannot hold (a non-UTF-8 terminal) becomes an escape."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    stream.write(text.encode(encoding, "backslashreplace").decode(encoding))

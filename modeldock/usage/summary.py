@@ -1,8 +1,13 @@
-"""Read usage files and add them up per tenant (and model) over a time range.
+r"""Read usage files and add them up per tenant (and model) over a time range.
 
-Reading is tolerant: blank lines are skipped, a line that is not a whole JSON record (a
-torn last line after a crash) is skipped and counted, and a record of another format
-version is skipped and counted, so one bad line never hides the rest of a file.
+Reading is tolerant: blank lines are skipped; a line that is not a whole, well-typed record
+(a torn last line after a crash, foreign text, a corrupted or hostile field) and a record of
+another format version are skipped and counted by reason, so one bad line never hides the
+rest of a file and never stops the command.
+
+Output is safe to print: in the table and CSV, control, format and separator characters
+(ESC, BEL, newline, U+2028, U+202E, lone surrogates) and the backslash in a tenant or
+model name are written as Python-style escapes (`\x1b`, `\u2028`, `\\`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import glob
 import io
 import json
 import re
+import unicodedata
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,13 +65,24 @@ def expand(patterns: Iterable[str]) -> list[Path]:
 class ReadStats:
     files: int = 0
     records: int = 0
-    unreadable: int = 0  # not a JSON record: a torn line after a crash, or foreign text
+    unreadable: int = 0  # not a record: a torn line after a crash, foreign text, a field of the wrong type
     unsupported: int = 0  # another format version
     first_problem: str = ""
+    reasons: Counter[str] = field(default_factory=Counter)  # skipped lines by RecordError.reason
+
+    @property
+    def skipped(self) -> int:
+        return self.unreadable + self.unsupported
 
     def _problem(self, where: str, why: str) -> None:
         if not self.first_problem:
             self.first_problem = f"{where}: {why}"
+
+    def describe(self) -> str:
+        """`skipped 3 records: 2 bad ts, 1 not JSON; first: usage.jsonl:4: ...` (safe to print)."""
+        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.reasons.items(), key=lambda i: (-i[1], i[0])))
+        noun = "record" if self.skipped == 1 else "records"
+        return printable(f"skipped {self.skipped} {noun}: {counts}; first: {self.first_problem}")
 
 
 def read_records(paths: Iterable[Path], stats: ReadStats | None = None) -> Iterator[UsageRecord]:
@@ -82,6 +100,7 @@ def read_records(paths: Iterable[Path], stats: ReadStats | None = None) -> Itera
                         stats.unsupported += 1
                     else:
                         stats.unreadable += 1
+                    stats.reasons[exc.reason] += 1
                     stats._problem(f"{path}:{number}", str(exc))
                     continue
                 stats.records += 1
@@ -93,17 +112,24 @@ class Totals:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
     cancelled: int = 0
-    errors: int = 0
+    errors: int = 0  # status >= 400, not cancelled, not rejected (UsageRecord.is_error)
+    rejected: int = 0  # refused by the gateway itself (termination "rejected")
     estimated: int = 0  # requests whose tokens the gateway estimated
+    cost: float | None = None  # sum of the records' costs; None when none of them had a price
 
     def add(self, record: UsageRecord) -> None:
         self.requests += 1
         self.prompt_tokens += record.prompt_tokens
         self.completion_tokens += record.completion_tokens
+        self.cached_tokens += record.cached_tokens
         self.cancelled += record.cancelled
         self.errors += record.is_error
+        self.rejected += record.is_rejected
         self.estimated += record.token_source == "estimated"
+        if record.cost is not None:
+            self.cost = (self.cost or 0.0) + record.cost
 
     @property
     def total_tokens(self) -> int:
@@ -140,25 +166,52 @@ def summarize(records: Iterable[UsageRecord], since: float | None = None, until:
     return summary
 
 
-COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "cancelled", "errors", "estimated")
+COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "cancelled",
+           "errors", "rejected", "estimated", "cost")
+# Unicode categories escaped on output: controls, format characters (e.g. U+202E, which reverses the text
+# after it), surrogates, unassigned and private-use code points, line and paragraph separators.
+_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Cn", "Co", "Zl", "Zp"))
 
 
-def _values(totals: Totals) -> list[int]:
-    return [getattr(totals, name) for name in COLUMNS]
+def printable(text: str) -> str:
+    r"""`text` with every character a terminal could act on, and the backslash, escaped (`\x1b`, `\u2028`, `\\`)."""
+    if text.isprintable() and "\\" not in text:
+        return text  # the usual name: no copy
+    out = []
+    for char in text:
+        if char == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(char) in _UNPRINTABLE:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def format_cost(cost: float | None) -> str:
+    """Six decimals (millionths of the currency); blank when no record had a price."""
+    return "" if cost is None else f"{cost:.6f}"
+
+
+def _values(totals: Totals) -> list[str]:
+    return [format_cost(totals.cost) if name == "cost" else str(getattr(totals, name)) for name in COLUMNS]
 
 
 def _keys(summary: Summary) -> list[str]:
     return ["tenant", "model"] if summary.by_model else ["tenant"]
 
 
-def _key_values(summary: Summary, key: tuple[str, str]) -> list[str]:
-    return [key[0], key[1]] if summary.by_model else [key[0]]
+def _key_values(summary: Summary, key: tuple[str, str], safe: bool = True) -> list[str]:
+    """The row's tenant (and model); escaped for the terminal unless `safe` is False (JSON escapes itself)."""
+    names = [key[0], key[1]] if summary.by_model else [key[0]]
+    return [printable(n) for n in names] if safe else names
 
 
 def format_table(summary: Summary) -> str:
     header = _keys(summary) + list(COLUMNS)
-    body = [_key_values(summary, key) + [str(v) for v in _values(t)] for key, t in summary.sorted_rows()]
-    total = ["TOTAL"] + ([""] if summary.by_model else []) + [str(v) for v in _values(summary.total)]
+    body = [_key_values(summary, key) + _values(t) for key, t in summary.sorted_rows()]
+    total = ["TOTAL"] + ([""] if summary.by_model else []) + _values(summary.total)
     widths = [max(len(row[i]) for row in [header, *body, total]) for i in range(len(header))]
     keys = len(_keys(summary))
 
@@ -177,7 +230,7 @@ def _when(epoch: float | None, unbounded: str) -> str:
 
 def format_json(summary: Summary, stats: ReadStats | None = None) -> str:
     def row(key: tuple[str, str], totals: Totals) -> dict[str, object]:
-        out: dict[str, object] = dict(zip(_keys(summary), _key_values(summary, key), strict=True))
+        out: dict[str, object] = dict(zip(_keys(summary), _key_values(summary, key, safe=False), strict=True))
         out.update(asdict(totals), total_tokens=totals.total_tokens)
         return out
 
@@ -189,7 +242,8 @@ def format_json(summary: Summary, stats: ReadStats | None = None) -> str:
         "total": asdict(summary.total) | {"total_tokens": summary.total.total_tokens},
     }
     if stats is not None:
-        document["skipped"] = {"unreadable": stats.unreadable, "unsupported": stats.unsupported}
+        document["skipped"] = {"unreadable": stats.unreadable, "unsupported": stats.unsupported,
+                               "reasons": dict(sorted(stats.reasons.items()))}
     return json.dumps(document, indent=2) + "\n"
 
 

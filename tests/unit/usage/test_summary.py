@@ -47,11 +47,31 @@ def test_totals_are_exact_per_tenant_and_per_tenant_and_model() -> None:
             assert totals.prompt_tokens == sum(r.prompt_tokens for r in mine)
             assert totals.completion_tokens == sum(r.completion_tokens for r in mine)
             assert totals.cancelled == sum(r.cancelled for r in mine)
-            assert totals.errors == sum(r.status >= 400 and not r.cancelled for r in mine)
             assert totals.estimated == sum(r.token_source == "estimated" for r in mine)
         assert len(summary.rows) == (6 if by_model else 3)
         assert summary.total.requests == len(inside)
         assert summary.total.total_tokens == sum(r.prompt_tokens + r.completion_tokens for r in inside)
+
+
+def test_totals_of_a_small_set_are_the_hand_counted_values() -> None:
+    records = [
+        record(status=200, prompt_tokens=100, completion_tokens=50, cached_tokens=40, cost=0.25),
+        record(status=399, prompt_tokens=10, completion_tokens=0, cost=0.000001),
+        record(status=400, prompt_tokens=7, completion_tokens=0),  # an error: the lowest error status
+        record(status=500, prompt_tokens=3, completion_tokens=1, termination="upstream_error", cost=0.5),
+        record(status=499, cancelled=True, prompt_tokens=20, completion_tokens=5, token_source="estimated",
+               termination="client_disconnect"),
+        record(status=429, prompt_tokens=0, completion_tokens=0, endpoint="", termination="rejected"),
+        record(status=401, prompt_tokens=0, completion_tokens=0, endpoint="", termination="rejected"),
+        record(tenant="beta", status=200, prompt_tokens=1, completion_tokens=2),
+    ]
+    summary = summarize(records)
+    acme, beta = summary.rows[("acme", "")], summary.rows[("beta", "")]
+    assert (acme.requests, acme.prompt_tokens, acme.completion_tokens, acme.total_tokens) == (7, 140, 56, 196)
+    assert (acme.cached_tokens, acme.cancelled, acme.errors, acme.rejected, acme.estimated) == (40, 1, 2, 2, 1)
+    assert acme.cost == pytest.approx(0.750001, abs=1e-12)
+    assert (beta.requests, beta.errors, beta.rejected, beta.cost) == (1, 0, 0, None)  # no price: no cost
+    assert (summary.total.requests, summary.total.errors, summary.total.total_tokens) == (8, 2, 199)
 
 
 def test_range_includes_since_and_excludes_until() -> None:
@@ -124,10 +144,10 @@ def test_command_table_json_and_csv_agree(tmp_path: Path, capsys: pytest.Capture
     acme = summarize(records, parse_when(since, 0), parse_when(until, 0), tenants=frozenset({"acme"}))
     assert table[0] == "from 2023-11-15T00:00:00.000Z to 2023-11-16T00:00:00.000Z (UTC, end excluded)"
     assert table[1].split() == ["tenant", "requests", "prompt_tokens", "completion_tokens", "total_tokens",
-                                "cancelled", "errors", "estimated"]
+                                "cached_tokens", "cancelled", "errors", "rejected", "estimated", "cost"]
     t = acme.total
-    numbers = [str(v) for v in (t.requests, t.prompt_tokens, t.completion_tokens, t.total_tokens, t.cancelled,
-                                t.errors, t.estimated)]
+    numbers = [str(v) for v in (t.requests, t.prompt_tokens, t.completion_tokens, t.total_tokens, t.cached_tokens,
+                                t.cancelled, t.errors, t.rejected, t.estimated)]  # no price: cost blank
     assert table[3].split() == ["acme", *numbers] and table[-1].split() == ["TOTAL", *numbers]
 
 
@@ -150,4 +170,4 @@ def test_command_missing_file_and_torn_line_reports(tmp_path: Path, capsys: pyte
     assert main(["usage", str(path), "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["total"]["requests"] == 1 and json.loads(out)["skipped"]["unreadable"] == 1
-    assert "skipped 1 unreadable line(s)" in err
+    assert err.startswith(f"modeldock usage: skipped 1 record: 1 not JSON; first: {path.resolve()}:2: not JSON")

@@ -124,6 +124,29 @@ def test_read_only_directory_fails_at_start(tmp_path: Path) -> None:
         tmp_path.chmod(0o700)
 
 
+def test_active_file_that_cannot_be_opened_fails_at_start_even_as_root(tmp_path: Path) -> None:
+    (tmp_path / "usage.gw-1.jsonl").mkdir()  # open(O_WRONLY) of a directory fails for root too
+    with pytest.raises(UsageSinkError) as failure:
+        UsageLog.open(config(tmp_path), FakeClock())
+    assert str(failure.value).startswith(
+        f"usage.path: cannot write usage records to {tmp_path / 'usage.gw-1.jsonl'}: [Errno 21] Is a directory")
+
+
+def test_directory_without_write_permission_fails_at_start_even_as_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root may write any directory, so the permission a read-only mount or another owner denies is faked:
+    # the writer must ask for write access to the directory (rotation creates files there), not only the file.
+    (tmp_path / "usage.gw-1.jsonl").write_text("")  # the file itself exists and is writable
+    real_access = os.access
+
+    def access(path: object, mode: int) -> bool:
+        return False if Path(str(path)) == tmp_path and mode & os.W_OK else real_access(path, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("modeldock.usage.writer.os.access", access)
+    with pytest.raises(UsageSinkError, match=f"directory {tmp_path} is not writable"):
+        UsageLog.open(config(tmp_path), FakeClock())
+
+
 def test_fsync_every_n_records_wakes_the_background_thread(tmp_path: Path) -> None:
     sink = FileSink(config(tmp_path, fsync_interval_seconds=60, fsync_every_records=3), FakeClock())
     try:
