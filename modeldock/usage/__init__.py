@@ -3,10 +3,17 @@
 from modeldock.usage.config import UsageConfig
 from modeldock.usage.log import UsageLog
 from modeldock.usage.metrics import UsageMetrics
-from modeldock.usage.record import FORMAT_VERSION, RecordError, UsageRecord, new_request_id
+from modeldock.usage.record import (
+    FORMAT_VERSION,
+    TERMINATIONS,
+    RecordError,
+    Termination,
+    UsageRecord,
+    new_request_id,
+)
 from modeldock.usage.writer import FileSink, StdoutSink, UsageSinkError
 
 __all__ = [
-    "FORMAT_VERSION", "FileSink", "RecordError", "StdoutSink", "UsageConfig", "UsageLog", "UsageMetrics",
-    "UsageRecord", "UsageSinkError", "new_request_id",
+    "FORMAT_VERSION", "TERMINATIONS", "FileSink", "RecordError", "StdoutSink", "Termination", "UsageConfig",
+    "UsageLog", "UsageMetrics", "UsageRecord", "UsageSinkError", "new_request_id",
 ]

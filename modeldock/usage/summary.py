@@ -116,7 +116,7 @@ class Totals:
     cancelled: int = 0
     errors: int = 0  # status >= 400, not cancelled, not rejected (UsageRecord.is_error)
     rejected: int = 0  # refused by the gateway itself (termination "rejected")
-    estimated: int = 0  # requests whose tokens the gateway estimated
+    estimated: int = 0  # requests whose tokens the gateway estimated (rejected ones used none)
     cost: float | None = None  # sum of the records' costs; None when none of them had a price
 
     def add(self, record: UsageRecord) -> None:
@@ -127,7 +127,7 @@ class Totals:
         self.cancelled += record.cancelled
         self.errors += record.is_error
         self.rejected += record.is_rejected
-        self.estimated += record.token_source == "estimated"
+        self.estimated += record.token_source == "estimated" and not record.is_rejected  # 0 tokens: none to estimate
         if record.cost is not None:
             self.cost = (self.cost or 0.0) + record.cost
 

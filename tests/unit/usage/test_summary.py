@@ -61,7 +61,8 @@ def test_totals_of_a_small_set_are_the_hand_counted_values() -> None:
         record(status=500, prompt_tokens=3, completion_tokens=1, termination="upstream_error", cost=0.5),
         record(status=499, cancelled=True, prompt_tokens=20, completion_tokens=5, token_source="estimated",
                termination="client_disconnect"),
-        record(status=429, prompt_tokens=0, completion_tokens=0, endpoint="", termination="rejected"),
+        record(status=429, prompt_tokens=0, completion_tokens=0, endpoint="", termination="rejected",
+               token_source="estimated", served_model=""),  # as the director writes a refused request
         record(status=401, prompt_tokens=0, completion_tokens=0, endpoint="", termination="rejected"),
         record(tenant="beta", status=200, prompt_tokens=1, completion_tokens=2),
     ]
