@@ -8,26 +8,32 @@ header and in `envoy.lb` metadata, the client's credential and routing headers r
 FULL_DUPLEX_STREAMED the request-headers answer is held until the body is in, then sent with the
 body echoed after it; every response chunk is echoed as it comes. The served-endpoint report
 (Istio) moves the in-flight count; `finish()` releases what the request holds, once, when the
-stream ends (which the gateway makes the end of the HTTP stream: every phase is sent).
+stream ends (which the gateway makes the end of the HTTP stream: every phase is sent). A request
+that needs its usage has it read from the response (usage.py) and settled with it; without it
+(no usage seen, a cut stream) it is charged its whole reservation.
 
 Modes are read from the stream's first message (`protocol_config`, which Envoy 1.40 sends).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from modeldock.epp import protocol
+from modeldock.epp.usage import UsageScanner
 from modeldock.errors import PayloadTooLarge, Rejection, Unavailable
 from modeldock.extproc import responses
 from modeldock.gateway import MODELS_PATH, Finished, Gateway, Routed, check_route
-from modeldock.gateway.request import RequestHead, read_head
+from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, read_head
+from modeldock.gateway.settlement import UsageReport
 from modeldock.types import Endpoint
 
 log = logging.getLogger("modeldock.epp")
@@ -45,6 +51,22 @@ class PickerOptions:
     fallbacks: bool = False
 
 
+class RequestKeys:
+    """The gateway's keys for requests (the reservation's, and the usage record's `request_id`): unique
+    across replicas and restarts, as the bootstrap's servicer mints them (extproc/server.py): a random
+    per-process prefix and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(6) + "-"
+        self._counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._counter)}"
+
+
+_KEYS = RequestKeys()  # for a flow made without a key (the servicer passes its own)
+
+
 class Phase(Enum):
     HEADERS = 1  # waiting for the request headers
     BODY = 2  # collecting the body
@@ -54,8 +76,9 @@ class Phase(Enum):
 
 class PickerFlow:
     def __init__(self, gateway: Gateway, options: PickerOptions = PickerOptions(),
-                 on_retry: Callable[[], None] | None = None) -> None:
+                 on_retry: Callable[[], None] | None = None, rid: str = "") -> None:
         self._gateway = gateway
+        self.rid = rid or _KEYS()  # the gateway's key for this request (reservation, usage record)
         self._settled = False  # finish() settled the routed request's reservation
         self._options = options
         self._on_retry = on_retry
@@ -65,6 +88,9 @@ class PickerFlow:
         self._size = 0
         self._names: list[str] = []
         self._subset: frozenset[Endpoint] | None = None
+        self._scanner: UsageScanner | None = None  # reads the response's usage (a request that needs it)
+        self._response_status = 0
+        self._response_ended = False
         self._asked = False  # the director was called (and logs its refusals)
         self.head: RequestHead | None = None
         self.routed: Routed | None = None
@@ -82,11 +108,15 @@ class PickerFlow:
         if phase is Phase.ROUTED:  # the hot path: response chunks
             if kind == "response_body":
                 body = request.response_body
+                if self._scanner is not None:
+                    return self._scan(self._scanner, body)
                 if self._duplex_response:
                     return [protocol.echo_chunk(kind, body.body, body.end_of_stream)]
                 return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
             if kind == "response_headers":
                 return [self._on_response_headers(request)]
+            if kind == "response_trailers" and self._scanner is not None:
+                return self._on_response_trailers(self._scanner, request)
             return [responses.continue_other(request)]
         try:
             if phase is Phase.HEADERS and kind == "request_headers":
@@ -123,7 +153,13 @@ class PickerFlow:
                 raise Unavailable("The gateway is not set up to send request bodies.", code="gateway_misconfigured",
                                   detail=f"request_body_mode {config.request_body_mode}")
         pairs = protocol.header_pairs(request.request_headers)
-        head = self.head = read_head(pairs)
+        head = read_head(pairs)
+        # The queue class asked for, as the bootstrap reads it (Envoy joins a repeated header with ","):
+        # both modes make the same class decision (gateway/request.py head_from_attributes).
+        priority = ",".join(v for k, v in pairs if k == PRIORITY_HEADER).strip()
+        if priority:
+            head = replace(head, priority=priority)
+        self.head = head
         self._names = [k for k, _ in pairs]
         hint = protocol.lb_value(request, protocol.SUBSET_KEY)
         if hint is not None:
@@ -158,7 +194,7 @@ class PickerFlow:
         body = b"".join(self._chunks)
         self._chunks = []
         self._asked = True
-        routed = self.routed = await self._gateway.route(self.head, body, subset=self._subset)
+        routed = self.routed = await self._gateway.route(self.head, body, self.rid, subset=self._subset)
         self._phase = Phase.ROUTED
         self.outcome = "proxied"
         self.tenant_id, self.model_name = routed.tenant.id, routed.model
@@ -175,11 +211,55 @@ class PickerFlow:
     # -- response --------------------------------------------------------
 
     def _on_response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
-        assert self.routed is not None
+        routed = self.routed
+        assert routed is not None
         served = protocol.lb_value(request, protocol.SERVED_KEY)
         if served is not None:
             self.served_on(protocol.served_address(served))
-        return protocol.response_headers(self.routed.route_metadata)
+        if routed.wants_usage:
+            self._scanner = self._usage_scanner(request.response_headers, routed.drop_usage)
+        return protocol.response_headers(routed.route_metadata)
+
+    def _usage_scanner(self, headers: ep.HttpHeaders, drop: bool) -> UsageScanner | None:
+        """A scanner for a response body that can carry usage: SSE or JSON, not compressed."""
+        content_type = encoding = ""
+        for key, value in protocol.header_pairs(headers):
+            if key == ":status":
+                self._response_status = int(value) if value.isdecimal() and len(value) == 3 else 0
+            elif key == "content-type":
+                content_type = value.lower()
+            elif key == "content-encoding":
+                encoding = value.strip().lower()
+        if headers.end_of_stream or encoding not in ("", "identity"):
+            return None
+        if content_type.startswith("text/event-stream"):
+            return UsageScanner(sse=True, drop=drop, hold=self._duplex_response)
+        if "json" in content_type:
+            return UsageScanner(sse=False, drop=False)
+        return None
+
+    def _scan(self, scanner: UsageScanner, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        end = body.end_of_stream
+        self._response_ended = end
+        out = scanner.feed(body.body, end)
+        if self._duplex_response:
+            if not out and not end and scanner.drops:
+                return _NONE  # an incomplete event is held: it goes on with the next chunk
+            return [protocol.echo_chunk("response_body", out, end)]
+        response = ep.ProcessingResponse(response_body=ep.BodyResponse())
+        if out != body.body:  # the usage event dropped from the buffered body
+            response.response_body.response.body_mutation.body = out
+        return [response]
+
+    def _on_response_trailers(self, scanner: UsageScanner, request: ep.ProcessingRequest,
+                              ) -> list[ep.ProcessingResponse]:
+        """Trailers end the body: what is still held goes on before their answer."""
+        self._response_ended = True
+        out = scanner.feed(b"", True)
+        answer = responses.continue_other(request)
+        if out and scanner.drops and self._duplex_response:
+            return [protocol.echo_chunk("response_body", out, False), answer]
+        return [answer]
 
     def served_on(self, address: str) -> bool:
         """The gateway reports `address` served the request: count it there (a retry moved it).
@@ -196,13 +276,21 @@ class PickerFlow:
         """The stream ended (the HTTP stream completed, failed or was cancelled). Idempotent."""
         self._phase = Phase.DONE
         self._chunks = []
-        if self.routed is not None and not self._settled:
+        routed = self.routed
+        if routed is not None and not self._settled:
             self._settled = True
-            self.routed.release()
-            # A gateway it did not configure sends no usage report: a token reservation is charged
-            # whole and the usage record says `estimated` (docs/mesh.md).
+            routed.release()
+            # A gateway it did not configure sends no usage report: the usage read from the response
+            # settles it; none seen (not asked for, a cut stream) -> the reservation is charged whole
+            # and the usage record says `estimated` (docs/mesh.md).
+            usage = self._scanner.usage if self._scanner is not None else None
+            report = None if usage is None else UsageReport(
+                rid=self.rid, usage=usage, reached_backend=True, status=self._response_status,
+                cancelled=not self._response_ended, endpoint=routed.lease.endpoint.address,
+                attempts=2 if self.served_by else 1)
+            self._scanner = None
             client_id = self.head.request_id if self.head is not None else ""
-            self._gateway.settle(Finished(self.routed, f"epp-{id(self)}", client_id, 0), None)
+            self._gateway.settle(Finished(routed, self.rid, client_id, 1 if self.served_by else 0), report)
 
     def _log(self, rejection: Rejection) -> None:
         rid = self.head.request_id if self.head and self.head.request_id else "-"

@@ -11,6 +11,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
+from modeldock.epp.strip import STRIPPED_HEADERS, STRIPPED_PREFIXES
 from modeldock.types import Endpoint
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE
 
@@ -18,11 +19,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"  # envoy.lb metadata from t
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb metadata from the gateway: who answered
 # The health services the gateways (and GIE's charts) probe, besides the overall status "".
 HEALTH_SERVICES = ("envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness")
-# What the client sent that no upstream may see: credentials ext_proc reads or does not need, the
-# protocol's own routing keys (a client-chosen destination must never be honoured) and modeldock's.
-CLIENT_HEADERS = ("authorization", "proxy-authorization", "api-key", "x-api-key", "cookie",
-                  DESTINATION_HEADER, SUBSET_KEY, SERVED_KEY)
-CLIENT_PREFIX = "x-modeldock-"
+# What the client sent that no upstream may see: the list both modes strip (strip.py), and the
+# protocol's own routing keys (the gateway's metadata names; a client's header of that name goes no further).
+CLIENT_HEADERS = (*STRIPPED_HEADERS, SUBSET_KEY, SERVED_KEY)
 # A streamed body goes back in chunks of at most this size (each is one gRPC message).
 CHUNK_BYTES = 64 * 1024
 
@@ -53,7 +52,7 @@ def request_mutation(common: ep.CommonResponse, destination: str, content_length
         keep = upstream_auth[0]
         _set(mutation, upstream_auth[0], upstream_auth[1])
     removed = [h for h in CLIENT_HEADERS if h != DESTINATION_HEADER and h != keep]
-    removed.extend(h for h in present if h.startswith(CLIENT_PREFIX) and h != keep)
+    removed.extend(h for h in present if h.startswith(STRIPPED_PREFIXES) and h != keep)
     mutation.remove_headers.extend(removed)
     common.clear_route_cache = True
 

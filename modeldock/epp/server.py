@@ -11,7 +11,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from modeldock.epp.flow import PickerFlow, PickerOptions
+from modeldock.epp.flow import PickerFlow, PickerOptions, RequestKeys
 from modeldock.gateway import Gateway
 
 log = logging.getLogger("modeldock.epp")
@@ -29,11 +29,12 @@ class PickerServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._on_finish = on_finish
         self._on_retry = on_retry
         self.open_streams = 0
+        self._keys = RequestKeys()  # each stream's key: its reservation's and its usage record's id
 
     async def Process(  # noqa: N802 (gRPC name)
         self, _requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        flow = PickerFlow(self._gateway, self._options, self._on_retry)
+        flow = PickerFlow(self._gateway, self._options, self._on_retry, self._keys())
         started = time.perf_counter()
         self.open_streams += 1
         try:

@@ -29,6 +29,11 @@ CONFIG: dict[str, Any] = {
 }
 DUPLEX, BUFFERED = pm.ProcessingMode.FULL_DUPLEX_STREAMED, pm.ProcessingMode.BUFFERED
 BODY = json.dumps({"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}]}).encode()
+# What a client may send that no backend may see (envoy/bootstrap.yaml strips the same, and x-envoy-*).
+CLIENT_ONLY = (("x-gateway-destination-endpoint", "6.6.6.6:80"), ("x-modeldock-cluster", "x"),
+               ("x-modeldock-rid", "forged"), ("proxy-authorization", "Basic cA=="), ("api-key", "secret"),
+               ("x-api-key", "secret"), ("cookie", "session=1"), ("x-priority", "standard"),
+               (SUBSET_KEY, A), (SERVED_KEY, A))
 
 
 @pytest.fixture
@@ -88,8 +93,7 @@ def streamed(responses: Sequence[ep.ProcessingResponse], kind: str = "request_bo
 async def test_duplex_holds_the_headers_answer_until_the_body_is_in_then_routes_in_header_and_metadata(
         gateway: Gateway) -> None:
     flow = PickerFlow(gateway)
-    assert await flow.handle(start(("x-gateway-destination-endpoint", "6.6.6.6:80"), ("x-modeldock-cluster", "x"),
-                                   ("x-api-key", "secret"))) == []
+    assert await flow.handle(start(*CLIENT_ONLY)) == []
     assert await flow.handle(chunk(BODY[:10], end=False)) == []
     out = await flow.handle(chunk(BODY[10:]))
     assert out[0].WhichOneof("response") == "request_headers"
@@ -100,8 +104,11 @@ async def test_duplex_holds_the_headers_answer_until_the_body_is_in_then_routes_
     assert primary in (A, B, C) and "," not in primary  # one endpoint by default: ORIGINAL_DST takes one
     assert lb_destination(out[0]) == primary  # header and metadata never differ
     assert set_["content-length"] == str(len(BODY))
-    assert {"authorization", "x-api-key", "x-modeldock-cluster", SUBSET_KEY, SERVED_KEY} <= set(removed)
-    assert "x-gateway-destination-endpoint" not in removed  # set (overwriting the client's), not removed
+    # Every header the bootstrap strips (but x-envoy-*, the gateway's) goes no further: removed, or the
+    # destination, set (overwriting the client's) rather than removed.
+    assert "x-gateway-destination-endpoint" not in removed and primary != "6.6.6.6:80"
+    for name in ("authorization", *(name for name, _ in CLIENT_ONLY)):
+        assert name in removed or name == "x-gateway-destination-endpoint", name
     assert streamed(out[1:]) == (BODY, True)
     assert gateway.picker.in_flight(Endpoint.parse(primary)) == 1
     flow.finish()
@@ -206,6 +213,48 @@ async def test_bodies_over_the_limit_get_413_as_chunks_arrive_or_from_content_le
     assert error(out[0])[0] == 413 and flow._chunks == []
     flow = PickerFlow(gateway)
     assert error((await flow.handle(start(("content-length", "5000"))))[0])[0] == 413
+
+
+def sized(size: int) -> bytes:
+    """A valid request body of exactly `size` bytes."""
+    body = json.dumps({"model": "llama-8b", "messages": [{"role": "user", "content": ""}]}).encode()
+    return body.replace(b'"content": ""', b'"content": "' + b"x" * (size - len(body)) + b'"')
+
+
+async def test_the_413_bound_is_exact_a_body_of_the_limit_goes_and_one_byte_more_does_not(gateway: Gateway) -> None:
+    limit = CONFIG["limits"]["max_body_bytes"]
+    at, over = sized(limit), sized(limit + 1)
+    assert (len(at), len(over)) == (limit, limit + 1)
+    flow = PickerFlow(gateway)
+    out = await run(flow, start(("content-length", str(limit))), chunk(at[:100], end=False), chunk(at[100:]))
+    assert out[0].WhichOneof("response") == "request_headers" and streamed(out[1:]) == (at, True)
+    flow.finish()
+    # One byte over: refused as the chunk arrives (before the end of the body), not by the director.
+    flow = PickerFlow(gateway)
+    assert await run(flow, start(), chunk(over[:100], end=False)) == []
+    status, body = error((await flow.handle(chunk(over[100:], end=False)))[0])
+    assert status == 413 and body["code"] == "request_too_large" and flow.routed is None
+    flow = PickerFlow(gateway)
+    assert error((await flow.handle(start(("content-length", str(limit + 1)))))[0])[0] == 413
+    assert gateway.picker.total_in_flight() == 0
+
+
+async def test_x_priority_decides_the_class_as_in_the_bootstrap_and_a_class_not_allowed_is_a_400() -> None:
+    config = {**CONFIG, "tenants": [{**CONFIG["tenants"][0], "priorities_allowed": ["batch"]}]}
+    gw = make_gateway(config, {"llama-8b": [A, B, C]}, seed=1)
+    flow = PickerFlow(gw)
+    status, body = error((await run(flow, start(("x-priority", "interactive")), chunk(BODY)))[0])
+    assert status == 400 and body["code"] == "priority_not_allowed"
+    assert gw.picker.total_in_flight() == 0 and flow.routed is None
+    # Repeated, the header reads as Envoy's attribute does ("batch,batch"): not a class either.
+    flow = PickerFlow(gw)
+    out = await run(flow, start(("x-priority", "batch"), ("x-priority", "batch")), chunk(BODY))
+    assert error(out[0])[1]["code"] == "priority_not_allowed"
+    flow = PickerFlow(gw)
+    out = await run(flow, start(("x-priority", " batch ")), chunk(BODY))
+    assert flow.head is not None and flow.head.priority == "batch"
+    assert "x-priority" in mutation(out[0].request_headers.response)[1]  # read here; the backend never sees it
+    flow.finish()
 
 
 async def test_models_unknown_paths_methods_and_empty_bodies_are_answered_from_the_headers(gateway: Gateway) -> None:
