@@ -141,7 +141,8 @@ class UsageRecord:
         if source not in TOKEN_SOURCES:
             raise RecordError(f"token_source {_show(source)} is not one of {sorted(TOKEN_SOURCES)}",
                               "bad token_source")
-        termination = _text(data, "termination", "completed")
+        # A record from before `termination` existed: a cancelled one ended with the client leaving.
+        termination = _text(data, "termination", "client_disconnect" if _flag(data, "cancelled") else "completed")
         if termination not in TERMINATIONS:
             raise RecordError(f"termination {_show(termination)} is not one of {sorted(TERMINATIONS)}",
                               "bad termination")
