@@ -3,11 +3,13 @@ modeldock's ext_proc as its endpoint picker, simulated model servers, the openai
 
 Envoy Gateway + Envoy AI Gateway: one endpoint per request in the x-gateway-destination-endpoint
 header of an ORIGINAL_DST cluster, the picker over TLS. Istio: the ranked list in envoy.lb metadata
-(override_host), retries down it, and the served endpoint reported back.
+(override_host), retries down it, and the served endpoint reported back. Usage records are on: every
+request is settled with the usage the picker reads from its response.
 """
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +38,12 @@ def _config(data: dict[str, Any], sims: list[Sim]) -> None:
 @pytest.fixture(scope="module", params=GATEWAYS)
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir: Path = tmp_path_factory.mktemp(f"mesh-{request.param}")
-    with running_stack(run_dir, backends=3, mesh=request.param, edit_config=_config,
+
+    def edit(data: dict[str, Any], sims: list[Sim]) -> None:
+        _config(data, sims)
+        data["usage"] = {"path": str(run_dir / "usage.jsonl"), "replica": "picker", "fsync_interval_seconds": 0}
+
+    with running_stack(run_dir, backends=3, mesh=request.param, edit_config=edit,
                        sim_args=("--speed", "20")) as stack:
         stack.mesh = request.param  # type: ignore[attr-defined]
         yield stack
@@ -165,3 +172,29 @@ def test_a_failing_endpoint_before_headers(stack: Stack) -> None:
         failed = next(r for r in replies if r.status == 503)
         assert not failed.headers.get("content-type", "").startswith("application/json")  # Envoy's, not JSON
     wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count released")
+
+
+def usage_records(stack: Stack) -> list[dict[str, Any]]:
+    path = stack.run_dir / "usage.picker.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_stream_is_settled_with_the_usage_the_picker_read_and_only_a_client_that_asked_sees_it(
+        stack: Stack) -> None:
+    for asked in (False, True):
+        before = len(usage_records(stack))
+        usages = []
+        for chunk in stack.openai().chat.completions.create(
+                model="demo-model", messages=MSG, max_tokens=8, stream=True,
+                **({"stream_options": {"include_usage": True}} if asked else {})):
+            if chunk.usage is not None:
+                usages.append(chunk.usage)
+        wait_until(lambda before=before: len(usage_records(stack)) > before, 5, what="the usage record")  # type: ignore[misc]
+        record = usage_records(stack)[-1]
+        assert record["token_source"] == "reported" and record["completion_tokens"] > 0, record
+        if asked:
+            [usage] = usages
+            assert (usage.prompt_tokens, usage.completion_tokens) == (record["prompt_tokens"],
+                                                                      record["completion_tokens"])
+        else:
+            assert usages == []  # the usage event the gateway asked for was dropped
