@@ -61,7 +61,13 @@ class TenantConfig(_Strict):
     # matched against the served model name; each pattern is one budget shared by the models it matches.
     tokens_per_minute: Annotated[int, Field(ge=0)] = 0
     tokens_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
+    # Calendar periods in `budget_timezone` (default limits.budget_timezone): reset at local midnight.
     tokens_per_day: Annotated[int, Field(ge=0)] = 0
+    tokens_per_month: Annotated[int, Field(ge=0)] = 0
+    # Cost budgets in the models' price currency (every model the tenant may use needs a `price`).
+    cost_per_day: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    cost_per_month: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    budget_timezone: str | None = None  # an IANA zone name, e.g. Europe/Berlin
     # Flow control (modeldock/flowcontrol): the tenant's share of a saturated model's queue (by tokens),
     # its queue class (`queue.classes`; default `queue.default_class`), and the other classes its
     # requests may ask for with the `x-priority` header.
@@ -77,8 +83,34 @@ class TenantConfig(_Strict):
                 raise ValueError("each entry must be sha256:<64 lowercase hex>; make one with `modeldock keys hash`")
         return value
 
+    @field_validator("budget_timezone")
+    @classmethod
+    def _tenant_zone(cls, value: str | None) -> str | None:
+        return None if value is None else _time_zone(value)
+
     def allows(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+def _time_zone(value: str) -> str:
+    """An IANA time zone name that zoneinfo can load (budget periods are computed in it)."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    if not value or value != value.strip() or value.startswith(("/", ".")) or ".." in value:
+        raise ValueError("must be an IANA time zone name such as UTC or Europe/Berlin")
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(f"{value!r} is not a known IANA time zone name (e.g. UTC, Europe/Berlin)") from None
+    return value
+
+
+class PriceConfig(_Strict):
+    """A model's price per million tokens (cost budgets, usage records' cost)."""
+
+    input: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    output: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    cached_input: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # absent: the input price
 
 
 class KubernetesTarget(_Strict):
@@ -144,6 +176,7 @@ class ModelConfig(_Strict):
     # The backends' batch limit (vLLM --max-num-seqs), for the room rules from the start; without
     # it the limit is learned when a backend queues for a slot, which one kept from queueing never does.
     max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    price: PriceConfig | None = None  # per million tokens; required by tenants with a cost budget
 
     @field_validator("name", "served_name")
     @classmethod
@@ -239,6 +272,13 @@ class LimitsConfig(_Strict):
     # Token budgets in Redis: how long a replica admits from a block of tokens it reserved there
     # (admission/README.md "Token leases"); 0 reserves each request in Redis on its own.
     token_lease_ms: Annotated[int, Field(ge=0, le=10_000)] = 1000
+    # The zone of calendar budgets (tokens_per_day/month, cost_per_day/month); a tenant may override it.
+    budget_timezone: str = "UTC"
+
+    @field_validator("budget_timezone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        return _time_zone(value)
 
     @field_validator("redis_url")
     @classmethod
@@ -324,6 +364,20 @@ class Config(_Strict):
                 if not any(fnmatch.fnmatchcase(model.upstream_name, key) for model in self.models):
                     raise _FieldError(("tenants", i, "tokens_per_minute_per_model"),
                                       f"{key!r} matches no model's served name")
+        return self
+
+    @model_validator(mode="after")
+    def _cost_budgets_priced(self) -> Config:
+        # A cost budget cannot count a model without a price: refuse rather than let it run free.
+        for i, tenant in enumerate(self.tenants):
+            field = "cost_per_month" if tenant.cost_per_month else "cost_per_day" if tenant.cost_per_day else ""
+            if not field:
+                continue
+            for model in self.models:
+                if model.price is None and tenant.allows(model.name):
+                    raise _FieldError(("tenants", i, field),
+                                      f"needs a price on every model the tenant may use; model {model.name!r} "
+                                      "has none (models[].price)")
         return self
 
     @model_validator(mode="after")

@@ -2,9 +2,9 @@
 admits that set's requests from it, with no Redis round trip on their path.
 
     book = LeaseBook(clock, lease_s=1.0, next_id=..., on_redis_error=..., on_settle_error=...)
-    drawn = book.draw(budget_set, cost)                          # (lease, decision), or None: a miss
-    decisions, drawn = await book.reserve(window, budget_set, entry_id, cost)   # a miss: one round trip
-    book.settle(lease, cost, amount)                             # a drawn request's end, exactly once
+    drawn = book.draw(budget_set, cost, want)                    # (lease, decision, taken), or None: a miss
+    decisions, drawn = await book.reserve(window, budget_set, entry_id, cost, want)   # a miss: one round trip
+    book.settle(lease, taken, amount)                            # a drawn request's end, exactly once
     book.retire_all(); await book.close()
 
 A budget set is the tuple of (key, limit, window) a request is subject to; requests with the same set
@@ -14,6 +14,10 @@ their actual, so a request settled below its estimate gives room back to the lea
 entry holds the grant (raised at once to `drawn` when usage above the estimates exceeds it); once retired
 (after `lease_s`, replaced, or dropped on a Redis failure) the entry follows `drawn` exactly. The rules
 and bounds are in README.md ("Token leases").
+
+A request draws between `cost` (its least) and `want` (its output capped to the budget draws less than
+it asked for). A set that counts a calendar period names the period in its keys, so a lease never
+serves past its period: the first request of the next period has another set (and another lease).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from modeldock.clock import Clock
 log = logging.getLogger(__name__)
 
 BudgetSet = tuple[BudgetLimit, ...]
-Drawn = tuple["Lease", Decision]
+Drawn = tuple["Lease", Decision, int]  # the lease, the binding decision, the tokens the request took
 
 LEASE_SHARE = 16  # a lease takes at most 1/16 of the smallest limit of its set (at least one request)
 HEADROOM = 2.0  # lease target: the set's recent draw over one lifetime, times this
@@ -43,13 +47,13 @@ PREFETCH = 0.5  # top up once the room falls under half the target, or past half
 
 class Lease:
     __slots__ = (
-        "budget_set", "decision", "drawn", "entry", "grant", "granted_at", "id", "keys",
-        "outstanding", "retired", "timer", "topped", "window",
+        "budget_set", "decision", "drawn", "entry", "folded", "grant", "granted_at", "id", "index", "keys",
+        "outstanding", "periods", "retired", "timer", "topped", "window",
     )
 
     def __init__(
         self, lease_id: str, window: RedisTokenWindow, budget_set: BudgetSet, grant: int, decision: Decision,
-        granted_at: float,
+        granted_at: float, index: int = 0,
     ) -> None:
         self.id = lease_id
         self.window = window  # the Redis that holds it
@@ -60,6 +64,9 @@ class Lease:
         self.drawn = 0
         self.outstanding = 0  # drawn requests not yet settled
         self.decision = decision  # the binding decision at the grant (remaining after the whole grant)
+        self.index = index  # which budget of the set it is
+        self.periods = any(length < 0 for _, length in self.keys)  # counts a calendar period
+        self.folded = False  # its final settlement was sent (a period's counter folds the entry)
         self.granted_at = granted_at  # local clock, taken before the call: never later than Redis's stamp
         self.retired = False
         self.timer: Handle | None = None
@@ -106,9 +113,9 @@ class LeaseBook:
         self.grants = 0
         self.top_ups = 0
 
-    def draw(self, budget_set: BudgetSet, cost: int) -> Drawn | None:
-        """The fast path: `cost` from the set's active lease, no I/O. None: a miss (no lease, expired, too
-        little room); the caller reserves in Redis (`reserve`)."""
+    def draw(self, budget_set: BudgetSet, cost: int, want: int | None = None) -> Drawn | None:
+        """The fast path: up to `want` (at least `cost`) from the set's active lease, no I/O. None: a miss
+        (no lease, expired, too little room); the caller reserves in Redis (`reserve`)."""
         if self.lease_s <= 0:
             return None
         now = self._clock.monotonic()
@@ -122,7 +129,8 @@ class LeaseBook:
             return None
         if lease.room < cost:
             return None
-        lease.drawn += cost
+        taken = cost if want is None else min(max(want, cost), lease.room)
+        lease.drawn += taken
         lease.outstanding += 1
         self.draws += 1
         if (
@@ -134,34 +142,37 @@ class LeaseBook:
             lease.topped = state.pending = True
             self.top_ups += 1
             self._spawn(self._top_up(lease, state, cost))
-        return lease, self._decision(lease, now)
+        return lease, self._decision(lease, now), taken
 
     async def reserve(
-        self, window: RedisTokenWindow, budget_set: BudgetSet, entry_id: str, cost: int
+        self, window: RedisTokenWindow, budget_set: BudgetSet, entry_id: str, cost: int, want: int | None = None
     ) -> tuple[list[Decision], Drawn | None]:
-        """A miss: one reserve-up-to in Redis with `cost` as the minimum and the set's lease target as the
-        want; the grant becomes the set's active lease (the old one retires) and the request draws from it.
+        """A miss: one reserve-up-to in Redis with `cost` as the minimum and the set's lease target (at least
+        the request's `want`) as the want; the grant becomes the set's active lease (the old one retires)
+        and the request draws up to `want` from it.
         Redis's decisions, and (lease, decision) when admitted. RedisUnavailable: the set's lease is dropped
         and the call undone in Redis (it may have counted).
 
         One whole lease in flight per set: a miss meanwhile reserves just its cost (a lease of one request),
         so a burst of misses cannot take a lease each."""
+        asked = cost if want is None else max(want, cost)
         state = self._sets.get(budget_set) if self.lease_s > 0 else None
         whole = state is not None and not state.pending
-        want = self._target(state, cost) if state is not None and whole else cost
+        target = max(self._target(state, cost), asked) if state is not None and whole else asked
         generation = self._generation
         if state is not None and whole:
             state.pending = True
         try:
-            decisions, lease = await self._grant(window, budget_set, entry_id, cost, want)
+            decisions, lease = await self._grant(window, budget_set, entry_id, cost, target)
         finally:
             if state is not None and whole:
                 state.pending = False
         if lease is None:
             return decisions, None
-        lease.drawn, lease.outstanding = cost, 1
+        taken = min(asked, lease.grant)
+        lease.drawn, lease.outstanding = taken, 1
         self._install(lease, generation)
-        return decisions, (lease, self._decision(lease, self._clock.monotonic()))
+        return decisions, (lease, self._decision(lease, self._clock.monotonic()), taken)
 
     def settle(self, lease: Lease, cost: int, amount: int) -> asyncio.Future[None] | None:
         """A request drawn from `lease` ends at `amount` (reserved `cost`): the lease's room changes by the
@@ -215,8 +226,8 @@ class LeaseBook:
         if not decisions[0].allowed:  # all or nothing: one decision tells
             return decisions, None
         self.grants += 1
-        decision = decisions[binding(decisions)]
-        return decisions, Lease(lease_id, window, budget_set, grant, decision, started)
+        index = binding(decisions)
+        return decisions, Lease(lease_id, window, budget_set, grant, decisions[index], started, index)
 
     def _install(self, lease: Lease, generation: int) -> None:
         state = self._sets.get(lease.budget_set)
@@ -267,6 +278,10 @@ class LeaseBook:
         if not lease.retired:
             if drawn <= lease.entry:
                 return None  # active: the difference is room, Redis already holds it
+        elif lease.periods and not lease.outstanding and not lease.folded:
+            # Its last write: a period's counter folds the entry into its total (memory: only live entries).
+            lease.folded, lease.entry = True, drawn
+            return lease.window.settle_later(lease.id, lease.keys, drawn, self._on_settle_error, final=True)
         elif drawn == lease.entry or (drawn == 0 and lease.outstanding):
             return None  # 0 would remove the entry while a request may still settle into it
         lease.entry = drawn

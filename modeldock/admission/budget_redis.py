@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from redis.asyncio import Redis
 
-from modeldock.admission.budget_window import BudgetLimit
+from modeldock.admission.budget_window import UNIT, BudgetLimit, Shape
 from modeldock.admission.redis_batch import FLUSH_INTERVAL_S, CallLater, OnError, RedisBatch, Script
 from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply
 from modeldock.admission.window import Decision
@@ -51,51 +51,88 @@ end
 """
 
 # KEYS: per window a sorted set and its hash. ARGV[1]: reservation id; ARGV[2]:
-# cost (the least that must fit); ARGV[3]: now in µs or ''; ARGV[4]: want (>= cost);
-# then per window: window µs, limit. Admits when the cost fits every window and
-# adds g = min(want, the room in every window) under the id (a lease; want = cost
-# for one request). An id already present is not added again and its stored
-# amount is returned (a resent call). Returns {allowed, then per window:
-# remaining, reset_us, retry_us, then g (0 when refused)}.
+# the least grant that must fit; ARGV[3]: now in µs or ''; ARGV[4]: want (>= the least);
+# then per window: window µs, limit; then, optionally, per window: base, slope (the window counts
+# ceil(base + slope * g) for a grant g; absent: g itself). A negative window is a calendar period's
+# counter (budget_period.py): no pruning, no sorted set, the hash lives -window µs after its last
+# reservation. Admits when the least fits every window and adds the largest g <= want that fits all
+# under the id (a lease, or a request's output capped to its budget; want = the least for one exact
+# request). An id already present is not added again and the grant it holds is returned (a resent
+# call). Returns {allowed, then per window: remaining, reset_us, retry_us, then g (0 when refused)}.
 RESERVE_LUA = (
     _COMMON_LUA
     + """
 local id, cost, want = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
 if want < cost then want = cost end
 local n = #KEYS / 2
+local shaped = #ARGV >= 4 + 4 * n
+local function amount(i, g)
+  if not shaped then return g end
+  local base, slope = tonumber(ARGV[3 + 2 * n + 2 * i]), tonumber(ARGV[4 + 2 * n + 2 * i])
+  if base == 0 and slope == 1 then return g end
+  local a = math.ceil(base + slope * g - 1e-9)
+  if a < 0 then a = 0 end
+  return a
+end
+local function most(i, room, g)
+  if shaped then
+    local base, slope = tonumber(ARGV[3 + 2 * n + 2 * i]), tonumber(ARGV[4 + 2 * n + 2 * i])
+    if not (base == 0 and slope == 1) then
+      if slope <= 0 then
+        if amount(i, 0) <= room then return g end
+        return -1
+      end
+      local m = math.floor((room - base + 1e-9) / slope)
+      while m >= 0 and amount(i, m) > room do m = m - 1 end
+      if m < g then return m end
+      return g
+    end
+  end
+  if room < g then return room end
+  return g
+end
 local used, allowed = {}, 1
 local stored = redis.call('HGET', KEYS[2], id)
 local again = stored ~= false
 local grant = want
 for i = 1, n do
-  used[i] = prune(KEYS[2 * i - 1], KEYS[2 * i], tonumber(ARGV[3 + 2 * i]))
-  local room = tonumber(ARGV[4 + 2 * i]) - used[i]
-  if not again and cost > room then allowed = 0 end
-  if room < grant then grant = room end
+  local window = tonumber(ARGV[3 + 2 * i])
+  if window >= 0 then used[i] = prune(KEYS[2 * i - 1], KEYS[2 * i], window)
+  else used[i] = tonumber(redis.call('HGET', KEYS[2 * i], '~total') or '0') end
+  if not again then grant = most(i, tonumber(ARGV[4 + 2 * i]) - used[i], grant) end
 end
-if again then grant = tonumber(stored) elseif allowed == 0 then grant = 0 end
+if again then grant = most(1, tonumber(stored), want)
+elseif grant < cost then allowed = 0; grant = 0 end
 local out = {allowed}
 for i = 1, n do
   local z, h = KEYS[2 * i - 1], KEYS[2 * i]
   local window, limit = tonumber(ARGV[3 + 2 * i]), tonumber(ARGV[4 + 2 * i])
   if allowed == 1 and not again then
-    redis.call('ZADD', z, now, id)
-    redis.call('HSET', h, id, grant)
-    used[i] = redis.call('HINCRBY', h, '~total', grant)
-    local ttl = math.ceil(window / 1000) + 1
-    redis.call('PEXPIRE', z, ttl)
-    redis.call('PEXPIRE', h, ttl)
+    local a = amount(i, grant)
+    redis.call('HSET', h, id, a)
+    used[i] = redis.call('HINCRBY', h, '~total', a)
+    if window >= 0 then
+      redis.call('ZADD', z, now, id)
+      local ttl = math.ceil(window / 1000) + 1
+      redis.call('PEXPIRE', z, ttl)
+      redis.call('PEXPIRE', h, ttl)
+    else
+      redis.call('PEXPIRE', h, math.ceil(-window / 1000))
+    end
   end
   local reset, retry = 0, 0
-  local newest = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
-  if newest[2] then reset = tonumber(newest[2]) + window - now end
-  if allowed == 0 and used[i] + cost > limit then
-    retry = window
-    local entries = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
-    local freed = 0
-    for j = 1, #entries, 2 do
-      freed = freed + (tonumber(redis.call('HGET', h, entries[j])) or 0)
-      if used[i] - freed + cost <= limit then retry = tonumber(entries[j + 1]) + window - now; break end
+  local need = amount(i, cost)
+  if window >= 0 then
+    local newest = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
+    if newest[2] then reset = tonumber(newest[2]) + window - now end
+    if allowed == 0 and used[i] + need > limit then
+      retry = window
+      local entries = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
+      local freed = 0
+      for j = 1, #entries, 2 do
+        freed = freed + (tonumber(redis.call('HGET', h, entries[j])) or 0)
+        if used[i] - freed + need <= limit then retry = tonumber(entries[j + 1]) + window - now; break end
+      end
     end
   end
   local remaining = limit - used[i]
@@ -110,21 +147,27 @@ return out
 )
 
 # KEYS as above. ARGV[1]: reservation id; ARGV[2]: the settled amount (0 removes
-# the entry); ARGV[3]: now or ''; then per window: window µs. Returns windows changed.
+# the entry); ARGV[3]: now or ''; then per window: window µs; then, optionally, per window its own
+# amount (cost windows count money, token windows tokens) and a final flag ('1': a counter's entry is
+# folded into its total: no later settlement will change it). Returns windows changed.
 SETTLE_LUA = (
     _COMMON_LUA
     + """
-local id, amount = ARGV[1], tonumber(ARGV[2])
+local id = ARGV[1]
+local n = #KEYS / 2
+local final = ARGV[4 + 2 * n] == '1'
 local changed = 0
-for i = 1, #KEYS / 2 do
+for i = 1, n do
   local z, h = KEYS[2 * i - 1], KEYS[2 * i]
-  prune(z, h, tonumber(ARGV[3 + i]))
+  local window = tonumber(ARGV[3 + i])
+  local amount = tonumber(ARGV[3 + n + i] or ARGV[2])
+  if window >= 0 then prune(z, h, window) end
   local old = redis.call('HGET', h, id)
   if old then
     redis.call('HINCRBY', h, '~total', amount - tonumber(old))
-    if amount == 0 then
+    if amount == 0 or (final and window < 0) then
       redis.call('HDEL', h, id)
-      redis.call('ZREM', z, id)
+      if window >= 0 then redis.call('ZREM', z, id) end
     else
       redis.call('HSET', h, id, amount)
     end
@@ -166,16 +209,21 @@ class RedisTokenWindow:
         return self._batch
 
     async def reserve_up_to(
-        self, entry_id: str, cost: int, want: int, limits: Sequence[BudgetLimit]
+        self, entry_id: str, cost: int, want: int, limits: Sequence[BudgetLimit],
+        shapes: Sequence[Shape] | None = None,
     ) -> tuple[list[Decision], int]:
-        """Admit when `cost` fits every window and add min(`want`, the room in every window) under
-        `entry_id`: the decisions (remaining after the whole grant) and the amount granted (0 when
-        refused; a resent call returns the amount stored by the first)."""
+        """Admit when the grant `cost` fits every window and add the largest grant <= `want` that fits
+        all under `entry_id` (each window counting its shape of it; default the grant itself): the
+        decisions (remaining after the whole grant) and the grant (0 when refused; a resent call returns
+        the grant the first stored)."""
         if not limits:
             return [], 0
         args: list[int | str] = [entry_id, cost, self._now_arg(), max(want, cost)]
         for _, limit, window in limits:
             args.extend((_us(window), limit))
+        if shapes is not None and any(shape != UNIT for shape in shapes):
+            for base, slope in shapes:
+                args.extend((repr(float(base)), repr(float(slope))))
         reply = await self._batch.call(_RESERVE, _keys(key for key, _, _ in limits), args)
         decisions = decisions_from_reply(reply, [limit for _, limit, _ in limits])
         try:
@@ -184,30 +232,40 @@ class RedisTokenWindow:
             raise RedisUnavailable(f"unexpected script reply: {exc}") from None
         return decisions, grant
 
-    async def settle(self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int) -> int:
+    async def settle(
+        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int | Sequence[int], *, final: bool = False
+    ) -> int:
         """Settle now and return the number of windows changed."""
         if not keys:
             return 0
-        reply = await self._batch.call(_SETTLE, *self._settle_call(entry_id, keys, amount))
+        reply = await self._batch.call(_SETTLE, *self._settle_call(entry_id, keys, amount, final))
         try:
             return int(reply)
         except (TypeError, ValueError) as exc:
             raise RedisUnavailable(f"unexpected script reply: {exc}") from None
 
     def settle_later(
-        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int, on_error: OnError
+        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int | Sequence[int], on_error: OnError,
+        *, final: bool = False,
     ) -> asyncio.Future[None]:
-        """Queue the settlement for the next flush; the future is done once Redis took it or it failed."""
-        return self._batch.defer(_SETTLE, *self._settle_call(entry_id, keys, amount), on_error)
+        """Queue the settlement for the next flush; the future is done once Redis took it or it failed.
+        `amount`: one for every window, or one per window; `final`: no later settlement of this id will
+        come (a period counter then folds the entry into its total)."""
+        return self._batch.defer(_SETTLE, *self._settle_call(entry_id, keys, amount, final), on_error)
 
     async def close(self) -> None:
         """Flush queued settlements (bounded by `timeout_s`) and close the client."""
         await self._batch.close()
 
     def _settle_call(
-        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int
+        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int | Sequence[int], final: bool
     ) -> tuple[list[str], list[int | str]]:
-        args: list[int | str] = [entry_id, amount, self._now_arg(), *(_us(window) for _, window in keys)]
+        first = amount if isinstance(amount, int) else amount[0]
+        args: list[int | str] = [entry_id, first, self._now_arg(), *(_us(window) for _, window in keys)]
+        if not isinstance(amount, int) or final:
+            args.extend([amount] * len(keys) if isinstance(amount, int) else amount)
+        if final:
+            args.append("1")
         return _keys(key for key, _ in keys), args
 
     def _now_arg(self) -> int | str:

@@ -8,12 +8,19 @@ entry counts for exactly one window after it was reserved, with whatever
 amount it holds by then. An entry that has already left the window cannot be
 settled any more (there is nothing left to adjust).
 
-Every key has its own window length (60 s for per-minute budgets, 86400 s for
-per-day), passed with the key.
+Every key has its own window length (60 s for per-minute budgets), passed with the key. A negative
+length marks a calendar period's counter (budget_period.py): its key names the period, so nothing
+expires by time; a settled entry is folded into the total (only held entries are kept), and the key is
+dropped once idle for -length seconds.
+
+Amounts can depend on the grant: `try_reserve_up_to` admits when the least grant fits every key and
+adds the largest grant up to `want` that fits all, each key counting its `Shape` of it (a token window
+counts prompt + output; a cost window the price of that, in millionths).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,10 +41,37 @@ class _Log:
     entries: deque[_Entry] = field(default_factory=deque)
     by_id: dict[str, _Entry] = field(default_factory=dict)
     total: int = 0
+    last: float = 0.0  # when it was last reserved in (counters are dropped once idle)
+    keep: float = 0.0  # counters: how long they outlive their last reservation
 
 
-# (key, limit, window seconds)
+# (key, limit, window seconds; negative: a period's counter)
 BudgetLimit = tuple[str, int, float]
+# A key's amount for a grant x: ceil(base + slope * x). (0, 1): the grant itself.
+Shape = tuple[float, float]
+UNIT: Shape = (0.0, 1.0)
+_EPS = 1e-9
+
+
+def shaped(shape: Shape, grant: int) -> int:
+    """What a key counts for `grant` (whole units, rounded up: a budget never under-counts)."""
+    base, slope = shape
+    if base == 0.0 and slope == 1.0:
+        return grant
+    return max(math.ceil(base + slope * grant - _EPS), 0)
+
+
+def most_that_fits(shape: Shape, room: int, want: int) -> int:
+    """The largest grant <= `want` whose amount fits `room` (may be below any minimum: the caller checks)."""
+    base, slope = shape
+    if base == 0.0 and slope == 1.0:
+        return min(room, want)
+    if slope <= 0.0:
+        return want if shaped(shape, 0) <= room else -1
+    most = math.floor((room - base + _EPS) / slope)
+    while most >= 0 and shaped(shape, most) > room:  # float rounding: never over
+        most -= 1
+    return min(most, want)
 
 
 class TokenWindow:
@@ -53,45 +87,63 @@ class TokenWindow:
         An id already held by the first key is not added again (the same request
         reserving twice): the decisions then report it as admitted.
         """
+        return self.try_reserve_up_to(entry_id, cost, cost, limits)[0]
+
+    def try_reserve_up_to(
+        self, entry_id: str, least: int, want: int, limits: Sequence[BudgetLimit],
+        shapes: Sequence[Shape] | None = None,
+    ) -> tuple[list[Decision], int]:
+        """Admit when the grant `least` fits every key; then add the largest grant g <= `want` that fits
+        all (each key counts `shaped(its shape, g)`). The decisions and g (0 when refused)."""
         now = self._clock.monotonic()
         self._maybe_sweep(now)
+        forms = shapes if shapes is not None else [UNIT] * len(limits)
         logs = [self._pruned(key, window, now) for key, _, window in limits]
         if logs and logs[0] is not None and entry_id in logs[0].by_id:
             return [
                 self._decision(log, limit, window, 0, True, now)
                 for log, (_, limit, window) in zip(logs, limits, strict=True)
-            ]
-        allowed = all(
-            (log.total if log else 0) + cost <= limit for log, (_, limit, _w) in zip(logs, limits, strict=True)
-        )
+            ], least
+        grant = max(want, least)
+        for log, (_, limit, _w), shape in zip(logs, limits, forms, strict=True):
+            grant = min(grant, most_that_fits(shape, limit - (log.total if log else 0), grant))
+        allowed = grant >= least
         out = []
-        for found, (key, limit, window) in zip(logs, limits, strict=True):
+        for found, (key, limit, window), shape in zip(logs, limits, forms, strict=True):
             log = found
+            amount = shaped(shape, grant if allowed else least)
             if allowed:
                 if log is None:
-                    log = self._logs[key] = _Log()
-                entry = _Entry(entry_id, now, cost)
-                log.entries.append(entry)
+                    log = self._logs[key] = _Log(keep=-window)
+                entry = _Entry(entry_id, now, amount)
+                if window >= 0:
+                    log.entries.append(entry)
+                    self._longest = max(self._longest, window)
                 log.by_id[entry_id] = entry
-                log.total += cost
-                self._longest = max(self._longest, window)
-            out.append(self._decision(log, limit, window, cost, allowed, now))
-        return out
+                log.total += amount
+                log.last = now
+            out.append(self._decision(log, limit, window, amount, allowed, now))
+        return out, grant if allowed else 0
 
-    def settle(self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int) -> int:
-        """Set the entry's amount in every key that still holds it; 0 removes it. Returns keys changed."""
-        if amount < 0:
+    def settle(
+        self, entry_id: str, keys: Sequence[tuple[str, float]], amount: int | Sequence[int], *, final: bool = True
+    ) -> int:
+        """Set the entry's amount (one for all keys, or one per key) in every key that still holds it; 0
+        removes it, and so does a `final` settlement in a counter (its amount stays in the total).
+        Returns keys changed."""
+        amounts = [amount] * len(keys) if isinstance(amount, int) else list(amount)
+        if any(a < 0 for a in amounts):
             raise ValueError("amount must be >= 0")
         now = self._clock.monotonic()
         changed = 0
-        for key, window in keys:
+        for (key, window), value in zip(keys, amounts, strict=True):
             log = self._pruned(key, window, now)
             entry = log.by_id.get(entry_id) if log else None
             if log is None or entry is None:
                 continue
-            log.total += amount - entry.amount
-            entry.amount = amount
-            if amount == 0:
+            log.total += value - entry.amount
+            entry.amount = value
+            if value == 0 or (final and window < 0):
                 # Stays in the deque with amount 0 until it expires; removing from the middle is O(n).
                 del log.by_id[entry_id]
             changed += 1
@@ -107,8 +159,8 @@ class TokenWindow:
 
     def _pruned(self, key: str, window: float, now: float) -> _Log | None:
         log = self._logs.get(key)
-        if log is None:
-            return None
+        if log is None or window < 0:
+            return log
         entries = log.entries
         # The same expiry test as window.SlidingWindow: gone once now - at >= window.
         while entries and now - entries[0].at >= window:
@@ -141,11 +193,17 @@ class TokenWindow:
             at=now,
         )
 
+    def _idle(self, log: _Log, now: float) -> bool:
+        if log.keep > 0:  # a counter: its period is over once nothing reserved in it for `keep`
+            return now - log.last >= log.keep and not log.by_id
+        return not log.entries or now - log.entries[-1].at >= self._longest
+
     def _maybe_sweep(self, now: float) -> None:
-        if self._longest == 0.0 or now - self._last_sweep < self._longest:
+        every = min(self._longest or math.inf, 3600.0)  # counters are swept hourly at least
+        if now - self._last_sweep < every:
             return
         self._last_sweep = now
-        idle = [k for k, log in self._logs.items() if not log.entries or now - log.entries[-1].at >= self._longest]
+        idle = [k for k, log in self._logs.items() if self._idle(log, now)]
         for key in idle:
             del self._logs[key]
 

@@ -1,152 +1,64 @@
-"""Token budgets: reserve a request's estimated tokens at admission, settle once at the end.
+"""Token and cost budgets: reserve a request's estimate at admission (its output capped to what fits),
+settle once at the end.
 
     budgets = TokenBudgets(config, clock)
-    reservation = await budgets.reserve(tenant, served_model, cost, request_id)  # RateLimited / Unavailable
-    response_headers.update(reservation.headers)                                  # x-ratelimit-*-tokens
+    reservation = await budgets.reserve(tenant, served_model, request_id=rid, prompt=p, output=o,
+                                        min_output=m)                  # RateLimited / Unavailable
+    reservation.output                     # the output limit to write into the body (m <= output <= o)
+    response_headers.update(reservation.headers)                       # x-ratelimit-*, binding budget
     ...
-    await reservation.finish(reached_backend=..., usage=...)                      # exactly once; later calls no-op
+    reservation.finish_nowait(sent=..., usage=..., backend_error=...)  # exactly once; later calls no-op
 
-The windows, the Redis layout, token leases (budget_lease.py: with Redis, requests are admitted from a
-block reserved there, without a round trip each) and the settlement rule are in README.md ("Token budgets").
+The windows, calendar periods, the Redis layout, token leases (budget_lease.py: with Redis, requests are
+admitted from a block reserved there, without a round trip each) and the settlement rule are in
+README.md ("Token budgets").
 """
 
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import itertools
 import logging
 import os
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, overload
 
 from redis.asyncio import Redis
 
-from modeldock.admission.budget_headers import token_ratelimit_headers, token_rejection_headers
-from modeldock.admission.budget_lease import BudgetSet, Drawn, Lease, LeaseBook
-from modeldock.admission.budget_redis import RedisTokenWindow, budget_key
-from modeldock.admission.budget_window import BudgetLimit, TokenWindow
+from modeldock.admission.budget_headers import OUTPUT_LIMIT, OUTPUT_LIMIT_REASON, budget_headers, format_money
+from modeldock.admission.budget_lease import BudgetSet, Drawn, LeaseBook
+from modeldock.admission.budget_period import Periods
+from modeldock.admission.budget_redis import RedisTokenWindow
+from modeldock.admission.budget_reservation import Reservation, State
+from modeldock.admission.budget_specs import (
+    Spec,
+    binding_index,
+    budget_specs,
+    has_budgets,
+    matching_budgets,
+    model_price,
+    shapes_for,
+    with_period_times,
+)
+from modeldock.admission.budget_window import Shape, TokenWindow, shaped
 from modeldock.admission.headers import format_duration
 from modeldock.admission.limits import LogThrottle
+from modeldock.admission.pricing import Price
 from modeldock.admission.redis_batch import CallLater, make_batch_client
 from modeldock.admission.redis_window import RedisUnavailable
 from modeldock.admission.tokens import Usage
-from modeldock.admission.window import Decision, binding
+from modeldock.admission.window import Decision
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
 
+__all__ = ["Reservation", "State", "TokenBudgets", "has_budgets", "matching_budgets"]
+
 log = logging.getLogger(__name__)
 
 MINUTE_SECONDS = 60.0
-DAY_SECONDS = 86_400.0
 
 RedisClientFactory = Callable[[str, float], Redis]
-State = Literal["held", "settled", "refunded", "charged"]
-
-
-def matching_budgets(per_model: Mapping[str, int], model: str) -> list[tuple[str, int]]:
-    """Every (pattern, limit) whose glob matches `model` (the served name), in pattern order.
-
-    Each pattern is one budget shared by all the models it matches, and every
-    matching pattern applies (like the tenant budget applies beside them).
-    """
-    return sorted((p, limit) for p, limit in per_model.items() if limit > 0 and fnmatch.fnmatchcase(model, p))
-
-
-def has_budgets(tenant: TenantConfig) -> bool:
-    """Whether any token budget is set for the tenant (a cheap check for the request path)."""
-    return bool(tenant.tokens_per_minute or tenant.tokens_per_day or tenant.tokens_per_minute_per_model)
-
-
-class Reservation:
-    """One request's tokens, held from admission until `finish` (or settle/refund/charge_reserved).
-
-    The first of those calls decides; every later call is a no-op, so the
-    end-of-stream path, an error path and a retry report may all call it.
-    """
-
-    __slots__ = ("_budgets", "_entry_id", "_keys", "_lease", "request_id", "cost", "headers", "state", "charged")
-
-    def __init__(
-        self,
-        budgets: TokenBudgets | None,
-        request_id: str,
-        entry_id: str,
-        cost: int,
-        keys: list[tuple[str, float]],
-        lease: Lease | None,
-        headers: Mapping[str, str],
-    ) -> None:
-        self._budgets = budgets
-        self._entry_id = entry_id
-        self._keys = keys
-        self._lease = lease  # the shared (Redis) lease it was drawn from, if any
-        self.request_id = request_id
-        self.cost = cost
-        self.headers: Mapping[str, str] = headers
-        self.state: State = "held"
-        self.charged: int | None = None  # tokens finally counted, once settled
-
-    @property
-    def done(self) -> bool:
-        return self.state != "held"
-
-    @property
-    def counted(self) -> bool:
-        """False when no budget applies to the request (nothing was reserved, nothing to settle)."""
-        return self._budgets is not None
-
-    async def finish(self, *, reached_backend: bool, usage: Usage | None) -> None:
-        """The settlement rule, in one place:
-
-        - never reached a backend (rejected later, no endpoint, every attempt failed
-          before a response): refund, 0 tokens;
-        - the backend reported usage: charge exactly `usage.total` (lower or higher
-          than the reservation);
-        - reached a backend but usage is unknown (client gone mid-stream, stream cut,
-          backend sent none): charge the reservation, which is the request's ceiling.
-        """
-        await self._wait(self.finish_nowait(reached_backend=reached_backend, usage=usage))
-
-    def finish_nowait(self, *, reached_backend: bool, usage: Usage | None) -> asyncio.Future[None] | None:
-        """`finish` without waiting: the local windows change now, a shared (Redis) settlement is queued
-        for the window's next flush (the returned future is done once Redis took it or it failed;
-        `close` flushes). For callers off the request path (settlement from Envoy's access log) and
-        for refunds in an error path."""
-        if not reached_backend:
-            return self._close_nowait("refunded", 0)
-        if usage is None:
-            return self._close_nowait("charged", self.cost)
-        return self._close_nowait("settled", max(usage.total, 0))
-
-    async def settle(self, total: int) -> None:
-        await self._wait(self._close_nowait("settled", max(total, 0)))
-
-    async def refund(self) -> None:
-        await self._wait(self._close_nowait("refunded", 0))
-
-    def refund_nowait(self) -> None:
-        self._close_nowait("refunded", 0)
-
-    async def charge_reserved(self) -> None:
-        await self._wait(self._close_nowait("charged", self.cost))
-
-    def _close_nowait(self, state: State, amount: int) -> asyncio.Future[None] | None:
-        if self.state != "held":
-            return None
-        # Decided before any await, so concurrent callers cannot both settle.
-        self.state = state
-        self.charged = amount
-        if self._budgets is None:
-            return None
-        return self._budgets._settle(self, amount)
-
-    @staticmethod
-    async def _wait(done: asyncio.Future[None] | None) -> None:
-        if done is not None:
-            # Shielded: a caller cancelled mid-call (its stream ended) does not cut the settlement.
-            await asyncio.shield(done)
 
 
 class TokenBudgets:
@@ -157,7 +69,6 @@ class TokenBudgets:
         redis_client_factory: RedisClientFactory = make_batch_client,
         *,
         minute_seconds: float = MINUTE_SECONDS,
-        day_seconds: float = DAY_SECONDS,
         redis_now_us: Callable[[], int] | None = None,
         redis_call_later: CallLater | None = None,
         warn_interval_s: float = 10.0,
@@ -165,7 +76,8 @@ class TokenBudgets:
         self._clock = clock
         self._redis_client_factory = redis_client_factory
         self._minute = minute_seconds
-        self._day = day_seconds
+        self._periods = Periods()
+        self._models = config.models
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
         self._redis_call_later = redis_call_later  # tests only: fires the settlement flush and lease timers
         self._local = TokenWindow(clock)
@@ -194,62 +106,115 @@ class TokenBudgets:
     def held(self, request_id: str) -> Reservation | None:
         return self._held.get(request_id)
 
-    async def reserve(self, tenant: TenantConfig, model: str, cost: int, request_id: str) -> Reservation:
-        """Reserve `cost` tokens in every budget the request is subject to, or raise.
+    @overload
+    async def reserve(
+        self, tenant: TenantConfig, model: str, request_id: str, /, *, prompt: int, output: int,
+        min_output: int | None = None, price: Price | None = None,
+    ) -> Reservation: ...
 
-        `model` is the served name (what reaches the backend). A second call with
-        the same `request_id` while the first reservation is held returns it (a
-        reservation belongs to the request, not to an attempt). Raises
-        RateLimited (429) or Unavailable (503); nothing is held when it raises.
+    @overload
+    async def reserve(self, tenant: TenantConfig, model: str, cost: int, request_id: str, /) -> Reservation: ...
+
+    async def reserve(
+        self, tenant: TenantConfig, model: str, first: int | str, second: str | None = None, /, *,
+        prompt: int | None = None, output: int = 0, min_output: int | None = None, price: Price | None = None,
+    ) -> Reservation:
+        """Reserve the request's prompt estimate and output limit in every budget it is subject to, or raise.
+
+        `model` is the served name. With `prompt`/`output`: when every budget has room for prompt + output,
+        that is reserved; when one has room only for less and `limits.cap_output_to_budget` is on, the
+        output is capped to the most that fits all (at least `min_output`, default `output`: no capping);
+        `reservation.output` is the limit to forward. The older form passes one `cost` (reserved whole,
+        never capped). `price`: the served model's (default: from the config). A second call with the
+        same `request_id` while the first is held returns it. Raises RateLimited (429) or Unavailable
+        (503); nothing is held when it raises.
         """
+        # reserve(tenant, model, request_id, prompt=..., output=...) or the older reserve(tenant, model, cost, id)
+        request_id, cost = (first, 0) if isinstance(first, str) else (second, first)
+        if request_id is None:
+            raise TypeError("reserve() needs a request_id")
         existing = self._held.get(request_id)
         if existing is not None:
             return existing
-        limits, labels = self._budgets(tenant, model)
-        if not limits:
-            return Reservation(None, request_id, "", cost, [], None, {})
-        cost = max(cost, 0)
-        for (_, limit, _w), label in zip(limits, labels, strict=True):
-            if cost > limit:
+        if prompt is None:
+            prompt, output, least = max(cost, 0), 0, 0
+        else:
+            prompt, output = max(prompt, 0), max(output, 0)
+            least = output if min_output is None or not self._limits.cap_output_to_budget else (
+                min(max(min_output, 0), output))
+        if price is None:
+            price = model_price(self._models, model)
+        specs = budget_specs(tenant, model, self._clock.time(), self._periods, self._limits.budget_timezone,
+                             price, minute_s=self._minute)
+        if not specs:
+            return Reservation(None, request_id, "", prompt, output, [], None, {}, price=price)
+        limits = [spec.limit for spec in specs]
+        shapes = shapes_for(specs, prompt, price)
+        for spec, shape in zip(specs, shapes, strict=True):
+            need = shaped(shape, least)
+            if need > spec.limit[1]:
                 self.decisions["too_large"] += 1
                 raise RateLimited(
-                    f"Request too large for {label}: limit {limit}, requested {cost}. "
-                    "Reduce the prompt or max_tokens (max_completion_tokens).",
+                    f"Request too large for {spec.label}: limit {_amount(spec, spec.limit[1])}, requested "
+                    f"{_amount(spec, need)}. Reduce the prompt or max_tokens (max_completion_tokens).",
                     code="tokens_request_too_large",
                 )
         entry_id = self._next_id()
         keys = [(key, window) for key, _, window in limits]
-        local = self._local.try_reserve_all(entry_id, cost, limits)
-        index = binding(local)
-        if not local[index].allowed:
-            raise self._rate_limited(labels[index], local[index], cost)
-        decision, lease = local[index], None
+        local, grant = self._local.try_reserve_up_to(entry_id, least, output, limits, shapes)
+        if not local[0].allowed:
+            raise self._refused(specs, local, shapes, least)
+        headers = self._headers(specs, local, shapes, grant)
+        lease, taken = None, None
         redis = self._redis
         if redis is not None:
-            budget_set = tuple(limits)
-            # From the set's lease when it has room (no I/O), else one round trip that grants a new one.
-            drawn = self._leases.draw(budget_set, cost) or await self._reserve_shared(
-                redis, budget_set, entry_id, keys, labels, cost
-            )
-            if drawn is not None:
-                lease, decision = drawn
+            shared = await self._reserve_shared(redis, specs, entry_id, keys, shapes, least, grant, prompt)
+            if shared is not None:
+                shared_grant, lease, shared_headers = shared
+                if shared_grant < grant:  # Redis had room for less: the local window follows
+                    self._local.settle(entry_id, keys, [shaped(f, shared_grant) for f in shapes], final=False)
+                grant, headers = shared_grant, shared_headers
+                taken = prompt + grant if lease is not None else None
         self.decisions["admitted"] += 1
-        reservation = Reservation(self, request_id, entry_id, cost, keys, lease, token_ratelimit_headers(decision))
+        if grant < output:
+            headers = {**headers, OUTPUT_LIMIT: str(grant), OUTPUT_LIMIT_REASON: "budget"}
+        reservation = Reservation(self, request_id, entry_id, prompt, grant, keys, lease, headers, asked=output,
+                                  units=[spec.unit == "cost" for spec in specs], price=price, taken=taken)
         self._held[request_id] = reservation
         return reservation
 
     async def _reserve_shared(
-        self,
-        redis: RedisTokenWindow,
-        budget_set: BudgetSet,
-        entry_id: str,
-        keys: list[tuple[str, float]],
-        labels: list[str],
-        cost: int,
-    ) -> Drawn | None:
-        """A lease miss: Redis decides (429, or 503 / a local pass when it fails). None: failed open."""
+        self, redis: RedisTokenWindow, specs: list[Spec], entry_id: str, keys: list[tuple[str, float]],
+        shapes: list[Shape], least: int, want: int, prompt: int,
+    ) -> tuple[int, Any, dict[str, str]] | None:
+        """Redis decides: (the output granted, the lease drawn from or None, the headers), or 429 / 503.
+        None: failed open (the local reservation stands). Token budgets draw from leases (in tokens);
+        a set with a cost budget is reserved per request."""
+        limits = [spec.limit for spec in specs]
+        costed = any(spec.unit == "cost" for spec in specs)
+        budget_set: BudgetSet = tuple(limits)
         try:
-            shared, drawn = await self._leases.reserve(redis, budget_set, entry_id, cost)
+            if costed:
+                try:
+                    decisions, grant = await redis.reserve_up_to(entry_id, least, want, limits, shapes)
+                except BaseException:
+                    redis.settle_later(entry_id, keys, 0, _ignore)  # it may have counted: undo, best effort
+                    raise
+                if not decisions[0].allowed:
+                    self._local.settle(entry_id, keys, 0)
+                    raise self._refused(specs, decisions, shapes, least)
+                return grant, None, self._headers(specs, decisions, shapes, grant)
+            drawn: Drawn | None = self._leases.draw(budget_set, prompt + least, prompt + want)
+            if drawn is None:
+                decided, drawn = await self._leases.reserve(redis, budget_set, entry_id, prompt + least,
+                                                            prompt + want)
+                if drawn is None:
+                    self._local.settle(entry_id, keys, 0)
+                    raise self._refused(specs, decided, shapes, least)
+            lease, decision, taken = drawn
+            decision = with_period_times([specs[lease.index]], [decision], self._clock.time())[0]
+            spec = specs[lease.index]
+            return taken - prompt, lease, budget_headers([(spec.field, False, decision)], 0)
         except RedisUnavailable as exc:
             self.redis_errors += 1
             if not self._limits.redis_fail_open:
@@ -262,14 +227,36 @@ class TokenBudgets:
             if self._warn.ready():
                 log.warning("Redis token budgets failed (%s); admitting on local budgets (fail open)", exc)
             return None
+        except RateLimited:
+            raise
         except BaseException:
             self._local.settle(entry_id, keys, 0)
             raise
-        if drawn is None:
-            self._local.settle(entry_id, keys, 0)
-            index = binding(shared)
-            raise self._rate_limited(labels[index], shared[index], cost)
-        return drawn
+
+    def _headers(
+        self, specs: Sequence[Spec], decisions: Sequence[Decision], shapes: Sequence[Shape], grant: int
+    ) -> dict[str, str]:
+        timed = with_period_times(specs, decisions, self._clock.time())
+        bound = binding_index(timed, shapes, grant)
+        return budget_headers([(s.field, s.unit == "cost", d) for s, d in zip(specs, timed, strict=True)], bound)
+
+    def _refused(
+        self, specs: Sequence[Spec], decisions: Sequence[Decision], shapes: Sequence[Shape], least: int
+    ) -> RateLimited:
+        needs = [shaped(shape, least) for shape in shapes]
+        timed = with_period_times(specs, decisions, self._clock.time(), needs)
+        index = binding_index(timed, shapes, least)
+        spec, decision = specs[index], timed[index]
+        self.decisions["rate_limited"] += 1
+        used = decision.limit - decision.remaining
+        return RateLimited(
+            f"Rate limit reached for {spec.label}: limit {_amount(spec, decision.limit)}, used "
+            f"{_amount(spec, used)}, requested {_amount(spec, shaped(shapes[index], least))}. "
+            f"Try again in {format_duration(decision.retry_after_s)}.",
+            code="tokens_rate_limited",
+            headers=budget_headers([(s.field, s.unit == "cost", d) for s, d in zip(specs, timed, strict=True)],
+                                   index, rejected=True),
+        )
 
     def reconfigure(self, config: Config) -> None:
         """New limits apply from the next reservation; held reservations settle where they were made."""
@@ -303,14 +290,19 @@ class TokenBudgets:
         self._redis = None
         await asyncio.gather(*(window.close() for window in windows))
 
-    def _settle(self, reservation: Reservation, amount: int) -> asyncio.Future[None] | None:
+    def _settle(self, reservation: Reservation, usage: Usage) -> asyncio.Future[None] | None:
         self._held.pop(reservation.request_id, None)
-        self._local.settle(reservation._entry_id, reservation._keys, amount)
+        amounts = reservation.amounts(usage)
+        self._local.settle(reservation._entry_id, reservation._keys, amounts)
         lease = reservation._lease
-        if lease is None:
-            return None
-        # Any Redis write is queued in the window that holds the lease; a cancelled caller does not cut it.
-        return self._leases.settle(lease, reservation.cost, amount)
+        if lease is not None:
+            # Any Redis write is queued in the window that holds the lease; a cancelled caller does not cut it.
+            return self._leases.settle(lease, reservation._taken, max(usage.total, 0))
+        redis = self._redis
+        if redis is not None and any(reservation._units):  # a cost set, reserved per request
+            return redis.settle_later(reservation._entry_id, reservation._keys, amounts, self._settle_failed,
+                                      final=True)
+        return None
 
     def held_count(self) -> int:
         """Reservations not yet settled (for tests and shutdown checks)."""
@@ -329,30 +321,6 @@ class TokenBudgets:
 
     def _next_id(self) -> str:
         return f"{self._tag}:{next(self._ids):x}"
-
-    def _budgets(self, tenant: TenantConfig, model: str) -> tuple[list[BudgetLimit], list[str]]:
-        limits: list[BudgetLimit] = []
-        labels: list[str] = []
-        if tenant.tokens_per_minute > 0:
-            limits.append((budget_key(tenant.id, "minute"), tenant.tokens_per_minute, self._minute))
-            labels.append(f"tokens per minute for tenant {tenant.id}")
-        if tenant.tokens_per_day > 0:
-            limits.append((budget_key(tenant.id, "day"), tenant.tokens_per_day, self._day))
-            labels.append(f"tokens per day for tenant {tenant.id}")
-        for pattern, limit in matching_budgets(tenant.tokens_per_minute_per_model, model):
-            limits.append((budget_key(tenant.id, f"minute:model:{pattern}"), limit, self._minute))
-            labels.append(f"tokens per minute for tenant {tenant.id} on models {pattern}")
-        return limits, labels
-
-    def _rate_limited(self, label: str, decision: Decision, cost: int) -> RateLimited:
-        self.decisions["rate_limited"] += 1
-        used = decision.limit - decision.remaining
-        return RateLimited(
-            f"Rate limit reached for {label}: limit {decision.limit}, used {used}, requested {cost}. "
-            f"Try again in {format_duration(decision.retry_after_s)}.",
-            code="tokens_rate_limited",
-            headers=token_rejection_headers(decision),
-        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         try:
@@ -379,3 +347,11 @@ class TokenBudgets:
             now_us=self._redis_now_us,
             call_later=self._redis_call_later,
         )
+
+
+def _amount(spec: Spec, value: int) -> str:
+    return format_money(value) if spec.unit == "cost" else str(value)
+
+
+def _ignore(_exc: RedisUnavailable) -> None:
+    pass

@@ -36,6 +36,7 @@ async def test_settle_adjusts_to_the_real_total_lower_and_higher() -> None:
         "x-ratelimit-limit-tokens": "1000",
         "x-ratelimit-remaining-tokens": "700",
         "x-ratelimit-reset-tokens": "1m0s",
+        "x-ratelimit-binding-tokens": "tokens_per_minute",
     }
     assert r2.headers["x-ratelimit-remaining-tokens"] == "500"
     await r1.finish(reached_backend=True, usage=Usage(40, 60))
@@ -48,8 +49,8 @@ async def test_refund_charge_reserved_and_exactly_once() -> None:
     b, _, t = make(tpm=1000)
     never = await b.reserve(t, "m", 300, "a")
     cut = await b.reserve(t, "m", 200, "b")
-    await never.finish(reached_backend=False, usage=Usage(1, 1))
-    await cut.finish(reached_backend=True, usage=None)
+    await never.finish(sent=False, usage=None)
+    await cut.finish(reached_backend=True, usage=None)  # the older keyword still works
     assert (never.state, never.charged) == ("refunded", 0)
     assert (cut.state, cut.charged) == ("charged", 200)
     assert used(b) == 200
@@ -123,7 +124,7 @@ async def test_day_budget_and_per_model_globs_all_apply() -> None:
     with pytest.raises(RateLimited, match="llama-"):
         await b.reserve(t, "llama-70b", 1, "b")
     # The rejected request took nothing anywhere (all or nothing).
-    assert used(b) == 300 and used(b, "day", 86400) == 300 and used(b, "minute:model:*-70b") == 0
+    assert used(b) == 300 and used(b, "day:2023-11-14", -1) == 300 and used(b, "minute:model:*-70b") == 0
     r = await b.reserve(t, "qwen-70b", 200, "c")
     assert r.headers["x-ratelimit-limit-tokens"] == "200"  # the binding budget: fewest left
     for i in range(5):
@@ -132,7 +133,10 @@ async def test_day_budget_and_per_model_globs_all_apply() -> None:
             await b.reserve(t, "other", 300, f"d{i}")
     with pytest.raises(RateLimited, match="per day") as caught:
         await b.reserve(t, "other", 600, "e")
-    assert int(caught.value.headers["Retry-After"]) > 80_000
+    # A calendar day (UTC): the FakeClock's wall starts at 2023-11-14 22:13:20Z and moved 305 s, so the
+    # day ends at 2023-11-15 00:00:00Z (1700006400), 6095 s later; a sliding window would say 86100.
+    assert caught.value.headers["Retry-After"] == "6095"
+    assert caught.value.headers["x-ratelimit-binding-tokens"] == "tokens_per_day"
 
 
 async def test_request_larger_than_a_budget_is_refused_without_retry_after() -> None:
@@ -164,8 +168,9 @@ def test_window_reports_existing_id_without_adding() -> None:
 
 def test_estimate_and_usage_parsing() -> None:
     assert estimate_cost({"max_tokens": 100}, 400, 1024) == 200
-    assert estimate_cost({"max_completion_tokens": 50, "max_tokens": 100, "n": 2}, 4, 1024) == 101
-    assert estimate_cost({"max_tokens": True, "n": 0}, 0, 7) == 7
+    # Both limits set: the estimator counts the larger (whichever the backend applies).
+    assert estimate_cost({"max_completion_tokens": 50, "max_tokens": 100, "n": 2}, 4, 1024) == 201
+    assert estimate_cost({"max_tokens": True, "n": 0}, 0, 7) == 1  # vLLM's lax int: True is 1
     assert Usage.from_mapping({"prompt_tokens": 3, "completion_tokens": 4.0}) == Usage(3, 4)
     assert Usage.from_mapping({"prompt_tokens": 3}) is None
     assert Usage.from_mapping({"prompt_tokens": -1, "completion_tokens": 1}) is None
