@@ -14,7 +14,7 @@ import yaml
 from modeldock.admission.budget_headers import BUDGET_RESPONSE_HEADERS
 from modeldock.admission.headers import LIMIT, REMAINING, RESET
 from modeldock.config import ListenerConfig
-from modeldock.extproc.attempts import RID_HEADER, USAGE_KEYS, USAGE_LOG_NAME, USAGE_NAMESPACE
+from modeldock.extproc.attempts import RID_HEADER, USAGE_LOG_NAME, USAGE_NAMESPACE, USAGE_PATHS
 from modeldock.extproc.responses import local_reply_config
 from modeldock.xds.resources import ROUTE_NAMESPACE
 
@@ -111,9 +111,10 @@ def _usage_loggers(count: int) -> str:
 
 
 def _usage_rules(sse: bool) -> str:
-    rules = [{"selectors": [{"key": "usage"}, {"key": key}],
+    # usage.<path> -> modeldock.usage:<key>, the keys extproc/attempts.py reads back.
+    rules = [{"selectors": [{"key": "usage"}, *({"key": part} for part in path)],
               "on_present": {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": "NUMBER"}}
-             for key in USAGE_KEYS]
+             for key, path in USAGE_PATHS]
     return json.dumps([{"rule": r} for r in rules] if sse else rules)
 
 

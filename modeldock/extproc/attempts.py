@@ -12,7 +12,8 @@ The client's x-request-id is never the key: two live requests may share it.
 The same service also hears Envoy's per-request usage log (`log_name` USAGE_LOG_NAME, an HCM access
 log sent only for requests ext_proc marked `modeldock:usage`): one entry when the request ends, with
 the backend's `usage` copied into dynamic metadata by json_to_metadata / sse_to_metadata
-(`modeldock.usage`), read here into `UsageReport`s for the settlement (gateway/settlement.py).
+(`modeldock.usage`), read here into `UsageReport`s for the settlement (gateway/settlement.py): whether the
+request reached a backend, and how it ended (the Envoy facts each field rests on: docs/envoy.md).
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ RID_HEADER = "x-modeldock-rid"
 USAGE_LOG_NAME = "modeldock_usage"
 USAGE_NAMESPACE = "modeldock.usage"
 USAGE_KEYS = ("prompt_tokens", "completion_tokens")
+# Every metadata key the usage filters write, with its path under the backend's `usage` object: the two
+# counts, and the prompt tokens served from the prefix cache (flat `cached_tokens`, as Usage.from_mapping reads).
+USAGE_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    *((key, (key,)) for key in USAGE_KEYS),
+    ("cached_tokens", ("prompt_tokens_details", "cached_tokens")),
+)
+
+# Response flags (envoy.data.accesslog.v3.ResponseFlags) that name how a request ended. The retry limit
+# (URX) is in neither: it comes with the failure or the backend's 503 that exhausted it.
+TIMEOUT_FLAGS = ("upstream_request_timeout", "stream_idle_timeout", "duration_timeout",
+                 "upstream_max_stream_duration_reached")
+UPSTREAM_FAILURE_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination",
+                          "upstream_overflow", "no_healthy_upstream", "upstream_protocol_error", "no_cluster_found",
+                          "dns_resolution_failure")
+# response_code_details of a response that came from a backend as it was (not an Envoy reply).
+VIA_UPSTREAM = "via_upstream"
 
 
 def retried_attempts(message: als_pb2.StreamAccessLogsMessage) -> list[tuple[str, str]]:
@@ -67,15 +84,25 @@ def usage_reports(message: als_pb2.StreamAccessLogsMessage) -> list[UsageReport]
         usage = None
         if USAGE_NAMESPACE in metadata:
             fields = metadata[USAGE_NAMESPACE].fields
-            usage = Usage.from_mapping({k: fields[k].number_value for k in USAGE_KEYS
+            usage = Usage.from_mapping({k: fields[k].number_value for k, _ in USAGE_PATHS
                                         if k in fields and fields[k].WhichOneof("kind") == "number_value"})
         socket = common.upstream_remote_address.socket_address
         endpoint = Endpoint(socket.address, socket.port_value).address if socket.address and socket.port_value else ""
+        flags = common.response_flags
+        timed_out = any(getattr(flags, name) for name in TIMEOUT_FLAGS)
+        upstream_failed = any(getattr(flags, name) for name in UPSTREAM_FAILURE_FLAGS)
+        cancelled = flags.downstream_connection_termination
+        status = entry.response.response_code.value
         found.append(UsageReport(
             rid=rid, usage=usage, reached_backend=entry.response.upstream_header_bytes_received > 0,
-            status=entry.response.response_code.value,
-            cancelled=common.response_flags.downstream_connection_termination,
-            endpoint=endpoint, attempts=common.upstream_request_attempt_count,
+            status=status, cancelled=cancelled, endpoint=endpoint, attempts=common.upstream_request_attempt_count,
+            # Summed over every attempt (a retried request's earlier backends count), 0 when no connection
+            # took a byte (refused everywhere, no healthy upstream, the client left while ext_proc held it).
+            sent=common.upstream_wire_bytes_sent > 0,
+            timed_out=timed_out, upstream_failed=upstream_failed,
+            backend_error=(status >= 400 and entry.response.response_code_details == VIA_UPSTREAM
+                           and not (timed_out or upstream_failed or cancelled)),
+            response_bytes=entry.response.response_body_bytes,
         ))
     return found
 

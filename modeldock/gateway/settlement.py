@@ -33,15 +33,35 @@ GRACE_SECONDS = 2.0
 
 @dataclass(frozen=True, slots=True)
 class UsageReport:
-    """What Envoy's access log entry says about one request."""
+    """What Envoy's access log entry says about one request (the Envoy facts: docs/envoy.md).
+
+    `sent` is what the settlement rule needs (admission/tokens.py `charge_for`): a request whose body
+    reached a backend may have been generated for, even when no response header ever came back (vLLM
+    sends a non-streaming response's headers only after generation). `timed_out`, `upstream_failed`,
+    `backend_error`, `cancelled` and `response_bytes` name how the request ended, for its record.
+    """
 
     rid: str  # the gateway's key for the request (modeldock:rid)
     usage: Usage | None  # the backend's `usage`, None when none was seen (no usage chunk, cut stream)
     reached_backend: bool  # a backend sent response headers (upstream_header_bytes_received > 0)
     status: int = 0  # the status the client got; 0 if none was sent
-    cancelled: bool = False  # the client went away before the response ended
+    cancelled: bool = False  # the client went away before the response ended (flag DC)
     endpoint: str = ""  # ip:port of the last upstream attempt
     attempts: int = 0  # upstream attempts (1 = not retried); 0 if unknown
+    # Some attempt wrote the request to a backend's connection (upstream_wire_bytes_sent > 0, summed over
+    # attempts). True whenever reached_backend is: a backend that answered had the body.
+    sent: bool = False
+    timed_out: bool = False  # Envoy's timeouts: route/per-try (UT), stream idle (SI), max duration (DT, UMSDR)
+    # Envoy could not get a whole response from any backend: reset (UR, UC, UPE: also after the response
+    # started, a cut stream), connect failure (UF), overflow (UO), no healthy upstream (UH), no cluster (NC).
+    upstream_failed: bool = False
+    # The backend itself answered a complete response with status >= 400 (a retried 503 included).
+    backend_error: bool = False
+    response_bytes: int = 0  # response body bytes sent to the client (what was streamed before a cut)
+
+    def __post_init__(self) -> None:
+        if self.reached_backend and not self.sent:
+            object.__setattr__(self, "sent", True)
 
 
 T = TypeVar("T")
