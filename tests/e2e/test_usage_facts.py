@@ -11,8 +11,8 @@ binary, the real simulator and the openai SDK as the client:
   hears, a few ms after the response ends (with the gateway's buffering, `USAGE_LOG_BUFFER`:
   entries of requests ending within its flush interval share one message); a stream without
   usage, or one the client cut, has no usage there;
-- a Lua response filter drops the usage chunk the client did not ask for, after
-  `sse_to_metadata` has read it.
+- a Lua response filter (the bootstrap's own script) drops the usage chunk the client did not ask
+  for, after `sse_to_metadata` has read it (split usage events: tests/e2e/test_usage_split_events.py).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import yaml
 from envoy.data.accesslog.v3 import accesslog_pb2
 from google.protobuf import json_format
 
-from modeldock.envoy import USAGE_LOG_BUFFER, envoy_binary
+from modeldock.envoy import USAGE_LOG_BUFFER, BootstrapOptions, envoy_binary, render_bootstrap
 from modeldock.up import Supervisor, free_port
 from tests.support.access_log import AccessLogCollector
 from tests.support.stack import Sim, start_sims, wait_until
@@ -50,23 +51,21 @@ def usage_rule(key: str, namespace: str = NS) -> dict[str, Any]:
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens")
 
+def _bootstrap_lua() -> str:
+    """The drop-usage Lua filter exactly as envoy/bootstrap.yaml has it (one copy of the script)."""
+    config = yaml.safe_load(render_bootstrap(BootstrapOptions(listen_port=1, admin_port=2, xds_port=3,
+                                                              extproc_port=4)))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (lua,) = [f for f in hcm["http_filters"] if f["name"] == "modeldock.drop_usage_chunk"]
+    source: str = lua["typed_config"]["default_source_code"]["inline_string"]
+    return source
+
+
+DROP_USAGE_LUA = _bootstrap_lua()
+
 # The filters docs/envoy.md recommends, in HCM order (responses pass them bottom-up:
 # router -> sse_to_metadata -> json_to_metadata -> lua, so the SSE filter reads the usage
 # chunk before Lua drops it).
-DROP_USAGE_LUA = """
-function envoy_on_response(h)
-  local md = h:streamInfo():dynamicMetadata():get("modeldock")
-  if md == nil or md["drop_usage"] ~= "1" then return end
-  for chunk in h:bodyChunks() do
-    local s = chunk:getBytes(0, chunk:length())
-    local out = string.gsub(s, "data: ([^\\n]*)\\n\\n", function(d)
-      if string.find(d, '"choices":[]', 1, true) and string.find(d, '"usage":', 1, true) then return "" end
-    end)
-    if out ~= s then chunk:setBytes(out) end
-  end
-end
-"""
-
 USAGE_FILTERS: list[dict[str, Any]] = [
     {"name": "envoy.filters.http.lua", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",

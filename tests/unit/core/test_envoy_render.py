@@ -121,3 +121,37 @@ def test_every_upstream_auth_header_is_set_after_the_client_credential_is_remove
     (entry,) = filters[forget]["typed_config"]["metadata"]
     assert entry == {"metadata_namespace": UPSTREAM_AUTH_NAMESPACE, "allow_overwrite": True,
                      "value": dict.fromkeys(UPSTREAM_AUTH_HEADERS, "")}
+
+
+def test_every_budget_response_header_comes_from_the_route_metadata() -> None:
+    from modeldock.admission.budget_headers import BUDGET_RESPONSE_HEADERS
+    from modeldock.admission.headers import LIMIT, REMAINING, RESET
+
+    routes = hcm(render(ListenerConfig()))["route_config"]["virtual_hosts"][0]["routes"]
+    (routed,) = [r for r in routes if "dynamic_metadata" in r["match"]]
+    added = {h["header"]["key"]: h["header"]["value"] for h in routed["response_headers_to_add"]}
+    names = (LIMIT, REMAINING, RESET, *BUDGET_RESPONSE_HEADERS)
+    assert BUDGET_RESPONSE_HEADERS and set(added) == set(names)  # each one, whatever the tuple holds
+    assert all(added[name] == f"%DYNAMIC_METADATA(modeldock:{name})%" for name in names)
+    assert "x-ratelimit-binding-tokens" in added and "x-modeldock-output-limit-reason" in added
+
+
+def test_both_usage_filters_copy_the_counts_and_the_cached_tokens() -> None:
+    filters = {f["name"]: f["typed_config"] for f in hcm(render(ListenerConfig()))["http_filters"]}
+    json_rules = filters["modeldock.usage_from_json"]["response_rules"]["rules"]
+    sse_rules = [r["rule"] for r in
+                 filters["modeldock.usage_from_sse"]["response_rules"]["content_parser"]["typed_config"]["rules"]]
+    for rules in (json_rules, sse_rules):
+        paths = {r["on_present"]["key"]: [s["key"] for s in r["selectors"]] for r in rules}
+        assert paths == {"prompt_tokens": ["usage", "prompt_tokens"],
+                         "completion_tokens": ["usage", "completion_tokens"],
+                         "cached_tokens": ["usage", "prompt_tokens_details", "cached_tokens"]}
+        assert {(r["on_present"]["metadata_namespace"], r["on_present"]["type"]) for r in rules} == {
+            ("modeldock.usage", "NUMBER")}
+
+
+def test_the_drop_usage_filter_runs_after_the_usage_filters_on_the_response() -> None:
+    # Responses pass the filters bottom-up: listed before them, Lua sees a chunk after they read it.
+    names = [f["name"] for f in hcm(render(ListenerConfig()))["http_filters"]]
+    assert names.index("modeldock.drop_usage_chunk") < names.index("modeldock.usage_from_json")
+    assert names.index("modeldock.drop_usage_chunk") < names.index("modeldock.usage_from_sse")
