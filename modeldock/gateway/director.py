@@ -9,17 +9,22 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
   1. route check     path and method (404 / 400)
   2. authenticate    one Bearer key -> tenant (401)
   3. length          body size against `limits.max_body_bytes` (413)
-  4. parse           JSON object with a valid `model` (400)
+  4. parse           JSON object with a valid `model`, `stream` a boolean (400)
   5. resolve model   known and allowed for the tenant (one 404 for both); alias rewrite
   6. dispatchable    snapshot fresh and endpoints present, the model's upstream credential
                      readable (503), before admission so a request that cannot be served
                      keeps the tenant's rate-limit quota
   7. prompt blocks   the prompt's block hashes, for prefix affinity; the queue class
-                     (`x-priority`, 400 if the tenant may not use it); the token cost, once
+                     (`x-priority`, 400 if the tenant may not use it); the output bound, read once as
+                     the backend reads it (`read_output_limit`: max_tokens, n, best_of, prompt lists; 400
+                     naming a field it cannot count)
   8. admission       in-flight slot and rate-limit windows (429 / 503)
-  8b. token budgets  reserve the estimated cost (`request_cost`) in every budget that applies
-                     (429 / 503); a streaming request that needs usage asks the backend for it
-                     (`stream_options.include_usage`, dropped again by Envoy if the client did not ask)
+  8b. token budgets  reserve the prompt estimate and the output bound in every budget that applies
+                     (429 / 503), and write the reserved output limit into the body when the client
+                     set none or the budget had less (billing.bound_output); the token cost for the
+                     queue and the picker follows from that limit; a streaming request that needs usage
+                     asks the backend for it (`stream_options.include_usage`, dropped again by Envoy if
+                     the client did not ask)
   9. pick + count    `Picker.pick(model, prefix, cost=...)`, synchronous, right after
                      admission; when every endpoint is saturated (or others already wait),
                      the request waits in the model's flow-control queue holding its ticket
@@ -48,29 +53,34 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypedDict, cast
 
+from modeldock.admission.budget_headers import OUTPUT_LIMIT, OUTPUT_LIMIT_REASON
 from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission
-from modeldock.admission.tokens import BYTES_PER_TOKEN, Usage
+from modeldock.admission.pricing import Price
+from modeldock.admission.tokens import BYTES_PER_TOKEN
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
 from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
+from modeldock.flowcontrol.cost import OutputLimit, read_output_limit
 from modeldock.flowcontrol.standing import Standing
+from modeldock.gateway.billing import Bound, bound_output, charged, price_of, termination
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
-from modeldock.gateway.routed import Finished, Routed, ask_for_usage, request_cost
+from modeldock.gateway.routed import Finished, Routed, ask_for_usage
 from modeldock.gateway.settlement import UsageReport
 from modeldock.picking import Pick, Picker, Saturated
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.types import Endpoint
 from modeldock.usage.log import UsageLog
-from modeldock.usage.record import TokenSource, UsageRecord
+from modeldock.usage.record import TokenSource, UsageRecord, new_request_id
 from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
 
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 MODELS_PATH = "/v1/models"
 # The drain budget applies once the oldest request queued has waited this share of
 # queue.max_wait_seconds: evidence that the queue is not a burst that drains at once (its
@@ -154,6 +164,8 @@ class Gateway:
         # Env values are read here, on every (re)load; files when they change (credentials.py).
         self._credentials = {m.name: UpstreamCredential(m.upstream_auth, self.clock)
                              for m in config.models if m.upstream_auth is not None}
+        self._prices: dict[str, Price] = {m.name: Price(m.price.input, m.price.output, m.price.cached_input)
+                                          for m in config.models if m.price is not None}
 
     # -- fed by the ADS client -------------------------------------------
 
@@ -191,19 +203,26 @@ class Gateway:
             upstream_auth = self.upstream_auth(model)
             prefix = prompt_blocks(data)
             klass = self.request_class(tenant, head)
-            estimate = estimate_cost(data, self.queues.config.default_max_tokens)
-            cost, output = estimate.total, estimate.max_new_tokens
+            chat = head.path == CHAT_PATH
+            limit, normalised = read_output_limit(data, chat=chat)
             ticket = await self.admission.admit(tenant, model)
             reservation: Reservation | None = None
-            reserved = 0
+            bound = Bound(limit.per_choice, "")
             try:
                 if self.records_on or has_budgets(tenant):
-                    reserved = request_cost(data, len(body), self.config.limits.reserve_completion_tokens)
-                    reservation = await self.budgets.reserve(tenant, config.upstream_name, reserved,
-                                                             rid or f"route-{next(self._route_ids)}")
+                    reservation = await self.budgets.reserve(
+                        tenant, config.upstream_name, rid or f"route-{next(self._route_ids)}",
+                        prompt=-(-len(body) // BYTES_PER_TOKEN),
+                        output=limit.tokens(self.config.limits.reserve_completion_tokens),
+                        min_output=limit.choices, price=self._prices.get(model))
+                    # The body's output limit is never above what was reserved for it.
+                    bound = bound_output(data, limit, reservation.output, capped=reservation.capped, chat=chat)
             except BaseException:
                 ticket.release()
                 raise
+            estimate = estimate_cost(data, self.queues.config.default_max_tokens,
+                                     limit=OutputLimit(bound.per_choice, limit.choices))
+            cost, output = estimate.total, estimate.max_new_tokens
             try:
                 pick = await self._pick(head, tenant, model, klass, prefix, cost, subset, output)
             except BaseException:
@@ -214,47 +233,69 @@ class Gateway:
         except Rejection as rejection:
             self._log_rejection(head, rejection, tenant, model)
             rejection.tenant, rejection.model = tenant.id if tenant else "", resolved
+            if tenant is not None:
+                self._record_rejection(head, rejection, rid, tenant, resolved)
             raise
         wants_usage = self.records_on or (reservation is not None and reservation.counted)
         drop_usage = wants_usage and ask_for_usage(data)
-        new_body = json.dumps(data, separators=(",", ":")).encode() if rewrite or drop_usage else None
+        rewritten = rewrite or drop_usage or normalised or bool(bound.reason)
+        new_body = json.dumps(data, separators=(",", ":")).encode() if rewritten else None
         metadata: Mapping[str, str] = ticket.headers
-        if reservation is not None and reservation.headers:
+        if reservation is not None and (reservation.headers or bound.reason):
             metadata = {**ticket.headers, **reservation.headers}
-        return Routed(tenant, model, cluster_name(model), pick.endpoint_list, pick.primary, new_body,
-                      metadata, pick.lease, ticket, upstream_auth, reservation, wants_usage, drop_usage,
-                      config.upstream_name, reserved, min(reserved, -(-len(body) // BYTES_PER_TOKEN)))
+            if bound.reason:
+                metadata[OUTPUT_LIMIT] = str(bound.per_choice)
+                metadata[OUTPUT_LIMIT_REASON] = bound.reason
+        return Routed(
+            tenant=tenant, model=model, cluster=cluster_name(model), endpoints=pick.endpoint_list,
+            primary=pick.primary, body=new_body, route_metadata=metadata, lease=pick.lease, ticket=ticket,
+            upstream_auth=upstream_auth, reservation=reservation, wants_usage=wants_usage, drop_usage=drop_usage,
+            served_model=config.upstream_name, cost=reservation.tokens if reservation is not None else 0,
+            prompt_estimate=reservation.prompt if reservation is not None else 0,
+            output_reserved=reservation.output if reservation is not None else 0,
+            price=self._prices.get(model))
 
     def settle(self, done: Finished, report: UsageReport | None) -> None:
         """Settle a finished request once, with Envoy's report of it (None: none came in time).
 
-        The rule (README "Token budgets"): usage reported -> charge exactly it; reached a backend but
-        usage unknown (client cancelled, stream cut, no report) -> charge the reservation; never reached
-        a backend -> refund. Then one usage record (and the token counters).
+        The rule (admission/tokens.charge_for): usage reported -> charge exactly it; the body never reached
+        a backend -> nothing; it did, usage unknown -> the prompt estimate when the backend answered an error,
+        else the whole reservation (client gone, stream cut, no report). Then one usage record.
         """
         routed = done.routed
-        reached = report.reached_backend if report is not None else True
-        usage = report.usage if report is not None else None
         if routed.reservation is not None:
-            routed.reservation.finish_nowait(reached_backend=reached, usage=usage)
+            if report is None:
+                routed.reservation.finish_nowait(sent=True, usage=None)
+            else:
+                routed.reservation.finish_nowait(sent=report.sent, usage=report.usage,
+                                                 backend_error=report.backend_error)
         if self.usage_log is None:
             return
-        if usage is None:
-            # Estimated: the reservation's split when it reached a backend (what was charged), else nothing.
-            prompt = routed.prompt_estimate if reached else 0
-            usage = Usage(prompt, max(routed.cost - prompt, 0) if reached else 0)
-            source: TokenSource = "estimated"
-        else:
-            source = "reported"
+        usage = charged(routed.prompt_estimate, routed.output_reserved, report)
+        source: TokenSource = "reported" if report is not None and report.usage is not None else "estimated"
         retries = report.attempts - 1 if report is not None and report.attempts > 0 else done.retries
         self.usage_log.emit(UsageRecord(
             ts=self.clock.time(), request_id=done.rid, client_request_id=done.client_request_id,
             tenant=routed.tenant.id, model=routed.model, served_model=routed.served_model,
             endpoint=(report.endpoint if report is not None and report.endpoint else routed.lease.endpoint.address),
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            token_source=source,
+            cached_tokens=usage.cached_tokens, cost=price_of(routed.price, usage),
+            token_source=source, termination=termination(report),
             status=report.status if report is not None else 0,
             cancelled=report.cancelled if report is not None else False, retries=max(retries, 0),
+            response_bytes=report.response_bytes if report is not None else 0,
+        ))
+
+    def _record_rejection(self, head: RequestHead, rejection: Rejection, rid: str, tenant: TenantConfig,
+                          model: str) -> None:
+        """A refused request of a known tenant is a usage record too (termination `rejected`, nothing charged)."""
+        if not self.records_on or self.usage_log is None:
+            return
+        self.usage_log.emit(UsageRecord(
+            ts=self.clock.time(), request_id=rid or new_request_id(),
+            client_request_id=head.request_id, tenant=tenant.id, model=model, served_model="", endpoint="",
+            prompt_tokens=0, completion_tokens=0, token_source="estimated", termination="rejected",
+            status=rejection.status, cancelled=False, retries=0,
         ))
 
     def models(self, head: RequestHead) -> tuple[TenantConfig, list[str]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from modeldock.admission.budgets import Reservation
 from modeldock.admission.limits import Ticket
-from modeldock.admission.tokens import estimate_cost as budget_cost
+from modeldock.admission.pricing import Price
 from modeldock.config import TenantConfig
 from modeldock.picking import Lease
 from modeldock.types import Endpoint
@@ -40,8 +40,10 @@ class Routed:
     wants_usage: bool = False
     drop_usage: bool = False
     served_model: str = ""
-    cost: int = 0  # estimated tokens (prompt + completion ceiling)
-    prompt_estimate: int = 0
+    cost: int = 0  # tokens reserved (prompt estimate + output_reserved); 0 without a reservation
+    prompt_estimate: int = 0  # the reservation's prompt part
+    output_reserved: int = 0  # the reservation's output part: the body's output limit x choices
+    price: Price | None = None  # the model's price, for the record's cost
 
     def release(self) -> None:
         """Idempotent: both parts ignore a second release."""
@@ -57,11 +59,6 @@ class Finished:
     rid: str
     client_request_id: str
     retries: int
-
-
-def request_cost(data: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
-    """Tokens to reserve for a request: the one place the director estimates a request's cost."""
-    return budget_cost(data, body_bytes, reserve_completion_tokens)
 
 
 def ask_for_usage(data: dict[str, object]) -> bool:

@@ -78,7 +78,8 @@ async def test_a_budgeted_request_reserves_its_cost_and_carries_token_headers() 
 
 async def test_a_request_over_the_budget_gets_429_with_retry_after_and_holds_nothing() -> None:
     gw = gateway()
-    first = await gw.route(head("k-tb"), body(max_tokens=900), "rid-1")
+    # Leaves less than the next request's prompt estimate: even a capped output would not fit.
+    first = await gw.route(head("k-tb"), body(max_tokens=BUDGET - 30), "rid-1")
     with pytest.raises(RateLimited) as err:
         await gw.route(head("k-tb"), body(max_tokens=900), "rid-2")
     assert err.value.code == "tokens_rate_limited" and err.value.headers["Retry-After"].isdigit()
@@ -86,6 +87,26 @@ async def test_a_request_over_the_budget_gets_429_with_retry_after_and_holds_not
     assert gw.budgets.held_count() == 1 and gw.admission.in_flight("tb") == 1
     first.release()
     assert gw.admission.in_flight("tb") == 0
+
+
+async def test_an_output_limit_above_the_remaining_budget_goes_upstream_lowered_and_said_so() -> None:
+    gw = gateway()
+    first = await gw.route(head("k-tb"), body(max_tokens=800), "rid-1")
+    assert first.reservation is not None
+    left = BUDGET - first.reservation.tokens
+    second = await gw.route(head("k-tb"), body(max_tokens=900), "rid-2")
+    assert second.body is not None and second.reservation is not None
+    sent = json.loads(second.body)["max_tokens"]
+    assert sent == second.reservation.output == left - second.reservation.prompt and 0 < sent < 900
+    assert second.route_metadata["x-modeldock-output-limit"] == str(sent)
+    assert second.route_metadata["x-modeldock-output-limit-reason"] == "budget"
+    assert second.route_metadata["x-ratelimit-remaining-tokens"] == "0"
+    # No limit from the client: the reserve default is written in, and said so.
+    free = await gw.route(head("k-free"), body(), "rid-3")
+    assert free.body is None  # no budget and records off: the body goes as it came
+    first.release()
+    second.release()
+    free.release()
 
 
 async def test_a_request_refused_after_its_reservation_is_refunded_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
