@@ -55,11 +55,16 @@ def budget_headers(
     `bound` is the binding one. The -tokens headers report the binding budget when it counts tokens, else
     the token budget with the fewest left; the -cost headers the cost budget with the least left."""
     field, is_cost, decision = budgets[bound]
+    costed = is_cost or any(cost for _, cost, _d in budgets)
     tokens = decision if not is_cost else _least([d for _, cost, d in budgets if not cost])
     out = {RETRY_AFTER: retry_after(decision.retry_after_s)} if rejected else {}
     if tokens is not None:
-        out.update(token_ratelimit_headers(tokens))
+        out[LIMIT_TOKENS] = str(tokens.limit)
+        out[REMAINING_TOKENS] = str(tokens.remaining)
+        out[RESET_TOKENS] = format_duration(tokens.reset_after_s)
     out[BINDING_TOKENS] = field
+    if not costed:
+        return out
     money = decision if is_cost else _least([d for _, cost, d in budgets if cost])
     if money is not None:
         out[LIMIT_COST] = format_money(money.limit)

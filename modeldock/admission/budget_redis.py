@@ -221,7 +221,7 @@ class RedisTokenWindow:
         args: list[int | str] = [entry_id, cost, self._now_arg(), max(want, cost)]
         for _, limit, window in limits:
             args.extend((_us(window), limit))
-        if shapes is not None and any(shape != UNIT for shape in shapes):
+        if shapes is not None and any(shape != UNIT for shape in shapes):  # (0, 1.0) == (0.0, 1.0) too
             for base, slope in shapes:
                 args.extend((repr(float(base)), repr(float(slope))))
         reply = await self._batch.call(_RESERVE, _keys(key for key, _, _ in limits), args)

@@ -121,11 +121,12 @@ class Reservation:
     async def charge_reserved(self) -> None:
         await self._wait(self._close_nowait("charged", Usage(self.prompt, self.output)))
 
-    def amounts(self, usage: Usage) -> list[int]:
-        """What each budget counts for `usage`: its tokens, or its price in millionths."""
+    def amounts(self, usage: Usage) -> int | list[int]:
+        """What each budget counts for `usage`: its tokens (one int when all count tokens), or its price
+        in millionths."""
         tokens = max(usage.total, 0)
-        if not any(self._units):
-            return [tokens] * len(self._keys)
+        if True not in self._units:
+            return tokens
         cost = to_micros(self.price.of(usage)) if self.price is not None else 0
         return [cost if is_cost else tokens for is_cost in self._units]
 

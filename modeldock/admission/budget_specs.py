@@ -10,7 +10,6 @@ instant it ends (the reset and Retry-After count to it).
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,30 @@ class Spec:
     label: str  # for messages
     unit: Unit
     ends_at: float = 0.0  # a period's end (epoch seconds); 0 for a sliding window
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A request's budgets and what the request path needs of them, computed once per (tenant, model)
+    and period (TokenBudgets caches it until `until`, the first end of its periods)."""
+
+    specs: list[Spec]
+    limits: list[BudgetLimit]
+    keys: list[tuple[str, float]]
+    units: tuple[bool, ...]  # per budget: True for a cost budget
+    costed: bool
+    periods: bool
+    least_limit: int  # the smallest token limit (a token-only request too large for it is refused)
+    until: float
+
+    @classmethod
+    def of(cls, specs: list[Spec]) -> Plan:
+        limits = [spec.limit for spec in specs]
+        units = tuple(spec.unit == "cost" for spec in specs)
+        return cls(specs, limits, [(key, window) for key, _, window in limits], units, any(units),
+                   any(spec.ends_at for spec in specs),
+                   min((limit for (_, limit, _), cost in zip(limits, units, strict=True) if not cost), default=0),
+                   min((spec.ends_at for spec in specs if spec.ends_at), default=float("inf")))
 
 
 def matching_budgets(per_model: Mapping[str, int], model: str) -> list[tuple[str, int]]:
@@ -101,7 +124,7 @@ def shapes_for(specs: Sequence[Spec], prompt: int, price: Price | None) -> list[
         if spec.unit == "cost" and price is not None:
             out.append((prompt * price.input, price.output))
         else:
-            out.append((float(prompt), 1.0))
+            out.append((prompt, 1.0))  # an int base: the exact path of `shaped`
     return out
 
 
@@ -116,7 +139,7 @@ def with_period_times(
             left = max(spec.ends_at - now, 0.0)
             d = out[i]
             short = not d.allowed and bool(needs) and d.remaining < needs[i]
-            out[i] = dataclasses.replace(d, reset_after_s=left, retry_after_s=left if short else 0.0)
+            out[i] = Decision(d.allowed, d.limit, d.remaining, left, left if short else 0.0, d.at)
     return out
 
 

@@ -49,23 +49,23 @@ class _Log:
 BudgetLimit = tuple[str, int, float]
 # A key's amount for a grant x: ceil(base + slope * x). (0, 1): the grant itself.
 Shape = tuple[float, float]
-UNIT: Shape = (0.0, 1.0)
+UNIT: Shape = (0, 1.0)  # an int base: token amounts stay exact integers
 _EPS = 1e-9
 
 
 def shaped(shape: Shape, grant: int) -> int:
     """What a key counts for `grant` (whole units, rounded up: a budget never under-counts)."""
     base, slope = shape
-    if base == 0.0 and slope == 1.0:
-        return grant
+    if slope == 1.0 and type(base) is int:  # tokens: the fast path, exact
+        return base + grant
     return max(math.ceil(base + slope * grant - _EPS), 0)
 
 
 def most_that_fits(shape: Shape, room: int, want: int) -> int:
     """The largest grant <= `want` whose amount fits `room` (may be below any minimum: the caller checks)."""
     base, slope = shape
-    if base == 0.0 and slope == 1.0:
-        return min(room, want)
+    if slope == 1.0 and type(base) is int:
+        return min(room - base, want)
     if slope <= 0.0:
         return want if shaped(shape, 0) <= room else -1
     most = math.floor((room - base + _EPS) / slope)
@@ -105,13 +105,19 @@ class TokenWindow:
                 for log, (_, limit, window) in zip(logs, limits, strict=True)
             ], least
         grant = max(want, least)
-        for log, (_, limit, _w), shape in zip(logs, limits, forms, strict=True):
-            grant = min(grant, most_that_fits(shape, limit - (log.total if log else 0), grant))
+        if shapes is None:  # one amount for every key (the request path's token budgets)
+            for log, (_, limit, _w) in zip(logs, limits, strict=True):
+                room = limit - (log.total if log else 0)
+                if room < grant:
+                    grant = room
+        else:
+            for log, (_, limit, _w), shape in zip(logs, limits, forms, strict=True):
+                grant = min(grant, most_that_fits(shape, limit - (log.total if log else 0), grant))
         allowed = grant >= least
         out = []
         for found, (key, limit, window), shape in zip(logs, limits, forms, strict=True):
             log = found
-            amount = shaped(shape, grant if allowed else least)
+            amount = (grant if allowed else least) if shapes is None else shaped(shape, grant if allowed else least)
             if allowed:
                 if log is None:
                     log = self._logs[key] = _Log(keep=-window)
@@ -131,9 +137,14 @@ class TokenWindow:
         """Set the entry's amount (one for all keys, or one per key) in every key that still holds it; 0
         removes it, and so does a `final` settlement in a counter (its amount stays in the total).
         Returns keys changed."""
-        amounts = [amount] * len(keys) if isinstance(amount, int) else list(amount)
-        if any(a < 0 for a in amounts):
-            raise ValueError("amount must be >= 0")
+        if isinstance(amount, int):
+            if amount < 0:
+                raise ValueError("amount must be >= 0")
+            amounts: Sequence[int] = [amount] * len(keys)
+        else:
+            amounts = amount
+            if any(a < 0 for a in amounts):
+                raise ValueError("amount must be >= 0")
         now = self._clock.monotonic()
         changed = 0
         for (key, window), value in zip(keys, amounts, strict=True):

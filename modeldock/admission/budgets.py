@@ -31,6 +31,7 @@ from modeldock.admission.budget_period import Periods
 from modeldock.admission.budget_redis import RedisTokenWindow
 from modeldock.admission.budget_reservation import Reservation, State
 from modeldock.admission.budget_specs import (
+    Plan,
     Spec,
     binding_index,
     budget_specs,
@@ -47,7 +48,7 @@ from modeldock.admission.pricing import Price
 from modeldock.admission.redis_batch import CallLater, make_batch_client
 from modeldock.admission.redis_window import RedisUnavailable
 from modeldock.admission.tokens import Usage
-from modeldock.admission.window import Decision
+from modeldock.admission.window import Decision, binding
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
@@ -78,6 +79,7 @@ class TokenBudgets:
         self._minute = minute_seconds
         self._periods = Periods()
         self._models = config.models
+        self._plans: dict[tuple[str, str, Price | None], tuple[TenantConfig, Plan | None, Price | None]] = {}
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
         self._redis_call_later = redis_call_later  # tests only: fires the settlement flush and lease timers
         self._local = TokenWindow(clock)
@@ -142,33 +144,34 @@ class TokenBudgets:
             prompt, output = max(prompt, 0), max(output, 0)
             least = output if min_output is None or not self._limits.cap_output_to_budget else (
                 min(max(min_output, 0), output))
-        if price is None:
-            price = model_price(self._models, model)
-        specs = budget_specs(tenant, model, self._clock.time(), self._periods, self._limits.budget_timezone,
-                             price, minute_s=self._minute)
-        if not specs:
+        plan, price = self._plan(tenant, model, price)
+        if plan is None:
             return Reservation(None, request_id, "", prompt, output, [], None, {}, price=price)
-        limits = [spec.limit for spec in specs]
-        shapes = shapes_for(specs, prompt, price)
-        for spec, shape in zip(specs, shapes, strict=True):
-            need = shaped(shape, least)
-            if need > spec.limit[1]:
-                self.decisions["too_large"] += 1
-                raise RateLimited(
-                    f"Request too large for {spec.label}: limit {_amount(spec, spec.limit[1])}, requested "
-                    f"{_amount(spec, need)}. Reduce the prompt or max_tokens (max_completion_tokens).",
-                    code="tokens_request_too_large",
-                )
+        specs, limits, keys = plan.specs, plan.limits, plan.keys
+        shapes = shapes_for(specs, prompt, price)  # cheap: one tuple per budget
+        if plan.costed or prompt + least > plan.least_limit:
+            for spec, shape in zip(specs, shapes, strict=True):
+                need = shaped(shape, least)
+                if need > spec.limit[1]:
+                    self.decisions["too_large"] += 1
+                    raise RateLimited(
+                        f"Request too large for {spec.label}: limit {_amount(spec, spec.limit[1])}, requested "
+                        f"{_amount(spec, need)}. Reduce the prompt or max_tokens (max_completion_tokens).",
+                        code="tokens_request_too_large",
+                    )
         entry_id = self._next_id()
-        keys = [(key, window) for key, _, window in limits]
-        local, grant = self._local.try_reserve_up_to(entry_id, least, output, limits, shapes)
+        if plan.costed:
+            local, grant = self._local.try_reserve_up_to(entry_id, least, output, limits, shapes)
+        else:  # token budgets only: one amount in every window, prompt + output
+            local, total = self._local.try_reserve_up_to(entry_id, prompt + least, prompt + output, limits)
+            grant = total - prompt
         if not local[0].allowed:
             raise self._refused(specs, local, shapes, least)
-        headers = self._headers(specs, local, shapes, grant)
+        headers = self._headers(plan, local, shapes, grant)
         lease, taken = None, None
         redis = self._redis
         if redis is not None:
-            shared = await self._reserve_shared(redis, specs, entry_id, keys, shapes, least, grant, prompt)
+            shared = await self._reserve_shared(redis, plan, entry_id, shapes, least, grant, prompt)
             if shared is not None:
                 shared_grant, lease, shared_headers = shared
                 if shared_grant < grant:  # Redis had room for less: the local window follows
@@ -179,19 +182,35 @@ class TokenBudgets:
         if grant < output:
             headers = {**headers, OUTPUT_LIMIT: str(grant), OUTPUT_LIMIT_REASON: "budget"}
         reservation = Reservation(self, request_id, entry_id, prompt, grant, keys, lease, headers, asked=output,
-                                  units=[spec.unit == "cost" for spec in specs], price=price, taken=taken)
+                                  units=plan.units, price=price, taken=taken)
         self._held[request_id] = reservation
         return reservation
 
+    def _plan(self, tenant: TenantConfig, model: str, price: Price | None) -> tuple[Plan | None, Price | None]:
+        """The request's budgets (None: none apply), remembered per (tenant, model, price) until the
+        first of its periods ends."""
+        now = self._clock.time()
+        key = (tenant.id, model, price)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is tenant and (cached[1] is None or now < cached[1].until):
+            return cached[1], cached[2]
+        found = price if price is not None else model_price(self._models, model)
+        specs = budget_specs(tenant, model, now, self._periods, self._limits.budget_timezone, found,
+                             minute_s=self._minute)
+        if len(self._plans) >= 4096:
+            self._plans.clear()
+        plan = Plan.of(specs) if specs else None
+        self._plans[key] = (tenant, plan, found)
+        return plan, found
+
     async def _reserve_shared(
-        self, redis: RedisTokenWindow, specs: list[Spec], entry_id: str, keys: list[tuple[str, float]],
-        shapes: list[Shape], least: int, want: int, prompt: int,
+        self, redis: RedisTokenWindow, plan: Plan, entry_id: str, shapes: list[Shape], least: int, want: int,
+        prompt: int,
     ) -> tuple[int, Any, dict[str, str]] | None:
         """Redis decides: (the output granted, the lease drawn from or None, the headers), or 429 / 503.
         None: failed open (the local reservation stands). Token budgets draw from leases (in tokens);
         a set with a cost budget is reserved per request."""
-        limits = [spec.limit for spec in specs]
-        costed = any(spec.unit == "cost" for spec in specs)
+        specs, limits, keys, costed = plan.specs, plan.limits, plan.keys, plan.costed
         budget_set: BudgetSet = tuple(limits)
         try:
             if costed:
@@ -203,7 +222,7 @@ class TokenBudgets:
                 if not decisions[0].allowed:
                     self._local.settle(entry_id, keys, 0)
                     raise self._refused(specs, decisions, shapes, least)
-                return grant, None, self._headers(specs, decisions, shapes, grant)
+                return grant, None, self._headers(plan, decisions, shapes, grant)
             drawn: Drawn | None = self._leases.draw(budget_set, prompt + least, prompt + want)
             if drawn is None:
                 decided, drawn = await self._leases.reserve(redis, budget_set, entry_id, prompt + least,
@@ -212,8 +231,9 @@ class TokenBudgets:
                     self._local.settle(entry_id, keys, 0)
                     raise self._refused(specs, decided, shapes, least)
             lease, decision, taken = drawn
-            decision = with_period_times([specs[lease.index]], [decision], self._clock.time())[0]
             spec = specs[lease.index]
+            if spec.ends_at:
+                decision = with_period_times([spec], [decision], self._clock.time())[0]
             return taken - prompt, lease, budget_headers([(spec.field, False, decision)], 0)
         except RedisUnavailable as exc:
             self.redis_errors += 1
@@ -234,10 +254,12 @@ class TokenBudgets:
             raise
 
     def _headers(
-        self, specs: Sequence[Spec], decisions: Sequence[Decision], shapes: Sequence[Shape], grant: int
+        self, plan: Plan, decisions: Sequence[Decision], shapes: Sequence[Shape], grant: int
     ) -> dict[str, str]:
-        timed = with_period_times(specs, decisions, self._clock.time())
-        bound = binding_index(timed, shapes, grant)
+        specs = plan.specs
+        timed = with_period_times(specs, decisions, self._clock.time()) if plan.periods else decisions
+        # Token budgets only: the fewest tokens left binds (binding_index's order, without the arithmetic).
+        bound = binding_index(timed, shapes, grant) if plan.costed else binding(timed)
         return budget_headers([(s.field, s.unit == "cost", d) for s, d in zip(specs, timed, strict=True)], bound)
 
     def _refused(
@@ -262,6 +284,8 @@ class TokenBudgets:
         """New limits apply from the next reservation; held reservations settle where they were made."""
         old, new = self._limits, config.limits
         self._limits = new
+        self._models = config.models
+        self._plans.clear()
         # Leases belong to a window and a budget set: new ones are made from the next request on.
         self._leases.retire_all()
         self._leases.lease_s = new.token_lease_ms / 1000
