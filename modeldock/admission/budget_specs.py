@@ -20,7 +20,7 @@ from modeldock.admission.budget_redis import budget_key
 from modeldock.admission.budget_window import BudgetLimit, Shape, most_that_fits, shaped
 from modeldock.admission.pricing import Price
 from modeldock.admission.window import Decision, binding
-from modeldock.config import ModelConfig, TenantConfig
+from modeldock.config import TenantConfig
 
 Unit = Literal["tokens", "cost"]
 _BIG = 1 << 62
@@ -72,15 +72,6 @@ def has_budgets(tenant: TenantConfig) -> bool:
     """Whether any token or cost budget is set for the tenant (a cheap check for the request path)."""
     return bool(tenant.tokens_per_minute or tenant.tokens_per_day or tenant.tokens_per_minute_per_model
                 or tenant.tokens_per_month or tenant.cost_per_month or tenant.cost_per_day)
-
-
-def model_price(models: Sequence[ModelConfig], served: str) -> Price | None:
-    """The price of the first model served under `served` that has one."""
-    for model in models:
-        if model.price is not None and model.upstream_name == served:
-            p = model.price
-            return Price(p.input, p.output, p.cached_input)
-    return None
 
 
 def budget_specs(

@@ -25,7 +25,7 @@ from typing import Any, overload
 
 from redis.asyncio import Redis
 
-from modeldock.admission.budget_headers import OUTPUT_LIMIT, OUTPUT_LIMIT_REASON, budget_headers, format_money
+from modeldock.admission.budget_headers import budget_headers, format_money
 from modeldock.admission.budget_lease import BudgetSet, Drawn, LeaseBook
 from modeldock.admission.budget_period import Periods
 from modeldock.admission.budget_redis import RedisTokenWindow
@@ -37,7 +37,6 @@ from modeldock.admission.budget_specs import (
     budget_specs,
     has_budgets,
     matching_budgets,
-    model_price,
     shapes_for,
     with_period_times,
 )
@@ -78,8 +77,7 @@ class TokenBudgets:
         self._redis_client_factory = redis_client_factory
         self._minute = minute_seconds
         self._periods = Periods()
-        self._models = config.models
-        self._plans: dict[tuple[str, str, Price | None], tuple[TenantConfig, Plan | None, Price | None]] = {}
+        self._plans: dict[tuple[str, str, Price | None], tuple[TenantConfig, Plan | None]] = {}
         self._redis_now_us = redis_now_us  # tests only: replaces Redis's TIME
         self._redis_call_later = redis_call_later  # tests only: fires the settlement flush and lease timers
         self._local = TokenWindow(clock)
@@ -127,9 +125,9 @@ class TokenBudgets:
         that is reserved; when one has room only for less and `limits.cap_output_to_budget` is on, the
         output is capped to the most that fits all (at least `min_output`, default `output`: no capping);
         `reservation.output` is the limit to forward. The older form passes one `cost` (reserved whole,
-        never capped). `price`: the served model's (default: from the config). A second call with the
-        same `request_id` while the first is held returns it. Raises RateLimited (429) or Unavailable
-        (503); nothing is held when it raises.
+        never capped). `price`: the model's own (`models[].price`), as the director passes it; None: no
+        cost budget counts. A second call with the same `request_id` while the first is held returns it.
+        Raises RateLimited (429) or Unavailable (503); nothing is held when it raises.
         """
         # reserve(tenant, model, request_id, prompt=..., output=...) or the older reserve(tenant, model, cost, id)
         request_id, cost = (first, 0) if isinstance(first, str) else (second, first)
@@ -144,7 +142,7 @@ class TokenBudgets:
             prompt, output = max(prompt, 0), max(output, 0)
             least = output if min_output is None or not self._limits.cap_output_to_budget else (
                 min(max(min_output, 0), output))
-        plan, price = self._plan(tenant, model, price)
+        plan = self._plan(tenant, model, price)
         if plan is None:
             return Reservation(None, request_id, "", prompt, output, [], None, {}, price=price)
         specs, limits, keys = plan.specs, plan.limits, plan.keys
@@ -179,29 +177,26 @@ class TokenBudgets:
                 grant, headers = shared_grant, shared_headers
                 taken = prompt + grant if lease is not None else None
         self.decisions["admitted"] += 1
-        if grant < output:
-            headers = {**headers, OUTPUT_LIMIT: str(grant), OUTPUT_LIMIT_REASON: "budget"}
         reservation = Reservation(self, request_id, entry_id, prompt, grant, keys, lease, headers, asked=output,
                                   units=plan.units, price=price, taken=taken)
         self._held[request_id] = reservation
         return reservation
 
-    def _plan(self, tenant: TenantConfig, model: str, price: Price | None) -> tuple[Plan | None, Price | None]:
+    def _plan(self, tenant: TenantConfig, model: str, price: Price | None) -> Plan | None:
         """The request's budgets (None: none apply), remembered per (tenant, model, price) until the
         first of its periods ends."""
         now = self._clock.time()
         key = (tenant.id, model, price)
         cached = self._plans.get(key)
         if cached is not None and cached[0] is tenant and (cached[1] is None or now < cached[1].until):
-            return cached[1], cached[2]
-        found = price if price is not None else model_price(self._models, model)
-        specs = budget_specs(tenant, model, now, self._periods, self._limits.budget_timezone, found,
+            return cached[1]
+        specs = budget_specs(tenant, model, now, self._periods, self._limits.budget_timezone, price,
                              minute_s=self._minute)
         if len(self._plans) >= 4096:
             self._plans.clear()
         plan = Plan.of(specs) if specs else None
-        self._plans[key] = (tenant, plan, found)
-        return plan, found
+        self._plans[key] = (tenant, plan)
+        return plan
 
     async def _reserve_shared(
         self, redis: RedisTokenWindow, plan: Plan, entry_id: str, shapes: list[Shape], least: int, want: int,
@@ -284,7 +279,6 @@ class TokenBudgets:
         """New limits apply from the next reservation; held reservations settle where they were made."""
         old, new = self._limits, config.limits
         self._limits = new
-        self._models = config.models
         self._plans.clear()
         # Leases belong to a window and a budget set: new ones are made from the next request on.
         self._leases.retire_all()

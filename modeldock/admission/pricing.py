@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from modeldock.admission.tokens import Usage
+from modeldock.config import ModelConfig
 
 PER = 1_000_000  # prices are per million tokens
 
@@ -36,3 +37,10 @@ class Price:
 def to_micros(amount: float) -> int:
     """A money amount in millionths, rounded up (a budget never under-counts)."""
     return math.ceil(amount * PER - 1e-9)
+
+
+def model_price(model: ModelConfig) -> Price | None:
+    """A model's own price (`models[].price`), the one the director passes budgets and records use;
+    an alias without one has none, whatever the model it serves costs."""
+    p = model.price
+    return None if p is None else Price(p.input, p.output, p.cached_input)

@@ -1,8 +1,9 @@
 """What a routed request is charged, and the usage record that says so.
 
 Plain functions of the director's: the output limit a budgeted request carries to the backend
-(`bound_output`), and, at its end, the charge (`admission.tokens.charge_for`, the one settlement rule),
-its price and its termination cause, from Envoy's report (`gateway/settlement.UsageReport`).
+(`bound_output`) and, at its end, its termination cause from Envoy's report
+(`gateway/settlement.UsageReport`). The charge itself is the reservation's (`Reservation.finish_nowait`,
+the one settlement rule `admission.tokens.charge_for`), which the usage record repeats.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from modeldock.admission.pricing import Price
-from modeldock.admission.tokens import Usage, charge_for
 from modeldock.flowcontrol.cost import OutputLimit, write_output_limit
 from modeldock.gateway.settlement import UsageReport
 from modeldock.usage.record import Termination
@@ -49,15 +48,3 @@ def termination(report: UsageReport | None) -> Termination:
     if report.upstream_failed or report.backend_error or report.status >= 500 or report.status == 0:
         return "upstream_error"
     return "completed"
-
-
-def charged(prompt: int, output: int, report: UsageReport | None) -> Usage:
-    """The charge for a routed request: the settlement rule applied to Envoy's report (none within the
-    grace: the body may have reached a backend and generated, so the whole reservation)."""
-    if report is None:
-        return charge_for(prompt, output, None, sent=True)
-    return charge_for(prompt, output, report.usage, sent=report.sent, backend_error=report.backend_error)
-
-
-def price_of(price: Price | None, usage: Usage) -> float | None:
-    return None if price is None else price.of(usage)

@@ -57,15 +57,15 @@ from modeldock.admission.budget_headers import OUTPUT_LIMIT, OUTPUT_LIMIT_REASON
 from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission
-from modeldock.admission.pricing import Price
-from modeldock.admission.tokens import BYTES_PER_TOKEN
+from modeldock.admission.pricing import Price, model_price
+from modeldock.admission.tokens import BYTES_PER_TOKEN, Usage
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
 from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
 from modeldock.flowcontrol.cost import OutputLimit, read_output_limit
 from modeldock.flowcontrol.standing import Standing
-from modeldock.gateway.billing import Bound, bound_output, charged, price_of, termination
+from modeldock.gateway.billing import Bound, bound_output, termination
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
 from modeldock.gateway.routed import Finished, Routed, ask_for_usage
@@ -164,8 +164,8 @@ class Gateway:
         # Env values are read here, on every (re)load; files when they change (credentials.py).
         self._credentials = {m.name: UpstreamCredential(m.upstream_auth, self.clock)
                              for m in config.models if m.upstream_auth is not None}
-        self._prices: dict[str, Price] = {m.name: Price(m.price.input, m.price.output, m.price.cached_input)
-                                          for m in config.models if m.price is not None}
+        self._prices: dict[str, Price] = {m.name: price for m in config.models
+                                          if (price := model_price(m)) is not None}
 
     # -- fed by the ADS client -------------------------------------------
 
@@ -250,10 +250,7 @@ class Gateway:
             tenant=tenant, model=model, cluster=cluster_name(model), endpoints=pick.endpoint_list,
             primary=pick.primary, body=new_body, route_metadata=metadata, lease=pick.lease, ticket=ticket,
             upstream_auth=upstream_auth, reservation=reservation, wants_usage=wants_usage, drop_usage=drop_usage,
-            served_model=config.upstream_name, cost=reservation.tokens if reservation is not None else 0,
-            prompt_estimate=reservation.prompt if reservation is not None else 0,
-            output_reserved=reservation.output if reservation is not None else 0,
-            price=self._prices.get(model))
+            served_model=config.upstream_name)
 
     def settle(self, done: Finished, report: UsageReport | None) -> None:
         """Settle a finished request once, with Envoy's report of it (None: none came in time).
@@ -263,15 +260,21 @@ class Gateway:
         else the whole reservation (client gone, stream cut, no report). Then one usage record.
         """
         routed = done.routed
-        if routed.reservation is not None:
+        reservation = routed.reservation
+        cost: float | None = None
+        if reservation is not None:
             if report is None:
-                routed.reservation.finish_nowait(sent=True, usage=None)
+                reservation.finish_nowait(sent=True, usage=None)
             else:
-                routed.reservation.finish_nowait(sent=report.sent, usage=report.usage,
-                                                 backend_error=report.backend_error)
+                reservation.finish_nowait(sent=report.sent, usage=report.usage, backend_error=report.backend_error)
         if self.usage_log is None:
             return
-        usage = charged(routed.prompt_estimate, routed.output_reserved, report)
+        # The record says what the reservation charged (one rule, applied once); without one nothing is
+        # counted, and the record carries what Envoy saw, for the metrics.
+        if reservation is not None and reservation.charged_usage is not None:
+            usage, cost = reservation.charged_usage, reservation.charged_cost
+        else:
+            usage = report.usage if report is not None and report.usage is not None else Usage(0, 0)
         source: TokenSource = "reported" if report is not None and report.usage is not None else "estimated"
         retries = report.attempts - 1 if report is not None and report.attempts > 0 else done.retries
         self.usage_log.emit(UsageRecord(
@@ -279,7 +282,7 @@ class Gateway:
             tenant=routed.tenant.id, model=routed.model, served_model=routed.served_model,
             endpoint=(report.endpoint if report is not None and report.endpoint else routed.lease.endpoint.address),
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens, cost=price_of(routed.price, usage),
+            cached_tokens=usage.cached_tokens, cost=cost,
             token_source=source, termination=termination(report),
             status=report.status if report is not None else 0,
             cancelled=report.cancelled if report is not None else False, retries=max(retries, 0),

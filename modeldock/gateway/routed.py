@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from modeldock.admission.budgets import Reservation
 from modeldock.admission.limits import Ticket
-from modeldock.admission.pricing import Price
 from modeldock.config import TenantConfig
 from modeldock.picking import Lease
 from modeldock.types import Endpoint
@@ -40,10 +39,6 @@ class Routed:
     wants_usage: bool = False
     drop_usage: bool = False
     served_model: str = ""
-    cost: int = 0  # tokens reserved (prompt estimate + output_reserved); 0 without a reservation
-    prompt_estimate: int = 0  # the reservation's prompt part
-    output_reserved: int = 0  # the reservation's output part: the body's output limit x choices
-    price: Price | None = None  # the model's price, for the record's cost
 
     def release(self) -> None:
         """Idempotent: both parts ignore a second release."""

@@ -11,6 +11,7 @@ import pytest
 
 from modeldock.admission.budget_period import period_at
 from modeldock.admission.budgets import TokenBudgets
+from modeldock.admission.pricing import model_price
 from modeldock.admission.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.config import ConfigError, PriceConfig, parse_config
@@ -96,11 +97,10 @@ async def test_the_output_is_capped_to_what_every_budget_has_left() -> None:
     b = TokenBudgets(budget_config(t), FakeClock())
     first = await b.reserve(t, "m", "a", prompt=100, output=700, min_output=1)
     assert (first.output, first.capped, first.tokens) == (700, False, 800)
-    assert "x-modeldock-output-limit" not in first.headers
     second = await b.reserve(t, "m", "b", prompt=50, output=500, min_output=1)
     assert (second.prompt, second.output, second.capped, second.tokens) == (50, 150, True, 200)
-    assert second.headers["x-modeldock-output-limit"] == "150"
-    assert second.headers["x-modeldock-output-limit-reason"] == "budget"
+    # The budgets say what they granted; the director writes the limit into the body and its headers.
+    assert second.asked == 500 and "x-modeldock-output-limit" not in second.headers
     assert second.headers["x-ratelimit-binding-tokens"] == "tokens_per_minute"
     assert second.headers["x-ratelimit-remaining-tokens"] == "0"
     # Nothing left for even one output token: refused, holding nothing.
@@ -149,8 +149,9 @@ PRICE = PriceConfig(input=2.0, cached_input=0.5, output=8.0)  # per million toke
 
 async def test_a_cost_budget_reserves_the_ceiling_settles_the_price_and_caps() -> None:
     t = budget_tenant(cost_per_month=0.01)  # 10,000 millionths
-    b = TokenBudgets(budget_config(t, price=PRICE), FakeClock())
-    r = await b.reserve(t, "m", "a", prompt=1000, output=1000, min_output=1)
+    cfg = budget_config(t, price=PRICE)
+    b, price = TokenBudgets(cfg, FakeClock()), model_price(cfg.models[0])
+    r = await b.reserve(t, "m", "a", prompt=1000, output=1000, min_output=1, price=price)
     # 1000 x 2 + 1000 x 8 = 10,000 millionths: exactly the budget.
     assert r.output == 1000 and r.headers["x-ratelimit-remaining-cost"] == "0"
     assert r.headers["x-ratelimit-limit-cost"] == "0.01"
@@ -159,11 +160,11 @@ async def test_a_cost_budget_reserves_the_ceiling_settles_the_price_and_caps() -
     await r.finish(sent=True, usage=Usage(1000, 200, cached_tokens=800))
     assert r.charged_cost == pytest.approx(0.0024) and r.charged == 1200
     # 7,600 left: a 1000-token prompt (2,000) leaves room for 700 output tokens at 8.
-    capped = await b.reserve(t, "m", "b", prompt=1000, output=1000, min_output=1)
+    capped = await b.reserve(t, "m", "b", prompt=1000, output=1000, min_output=1, price=price)
     assert (capped.output, capped.capped) == (700, True)
     assert capped.headers["x-ratelimit-remaining-cost"] == "0"
     with pytest.raises(RateLimited, match="cost per month") as caught:
-        await b.reserve(t, "m", "c", prompt=1, output=0)
+        await b.reserve(t, "m", "c", prompt=1, output=0, price=price)
     assert caught.value.headers["x-ratelimit-binding-tokens"] == "cost_per_month"
     capped.refund_nowait()
     assert b._local.used(_month_key(b, "cost:month"), -1) == 2400

@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio
 
 from modeldock.admission.budgets import TokenBudgets
+from modeldock.admission.pricing import model_price
 from modeldock.admission.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.config import PriceConfig, TenantConfig
@@ -107,13 +108,15 @@ async def test_a_cost_budget_in_redis_caps_and_settles_the_price(redis_server: R
     key = "modeldock:tb:{acme}:cost:month:2023-11"
     async with asyncio.timeout(10):
         try:
-            r = await a.reserve(t, "m", "a", prompt=1000, output=500)  # 2,000 + 4,000 millionths
+            # 2,000 + 4,000 millionths
+            r = await a.reserve(t, "m", "a", prompt=1000, output=500, price=model_price(cfg.models[0]))
             assert await redis_total(redis_server, key) == 6000
             r.finish_nowait(sent=True, usage=Usage(1000, 100, cached_tokens=1000))  # 500 + 800
             await a.flush()
             assert await redis_total(redis_server, key) == 1300
             # B sees A's settled spend: 8,700 left, a 1,000-token prompt leaves 837 output tokens (6,696).
-            capped = await b.reserve(t, "m", "b", prompt=1000, output=2000, min_output=1)
+            capped = await b.reserve(t, "m", "b", prompt=1000, output=2000, min_output=1,
+                                     price=model_price(cfg.models[0]))
             assert (capped.output, capped.headers["x-ratelimit-binding-tokens"]) == (837, "cost_per_month")
             assert await redis_total(redis_server, key) == 1300 + 2000 + 837 * 8
             capped.refund_nowait()
