@@ -16,10 +16,10 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modeldock.flowcontrol.config import QueueConfig
-from modeldock.picking.registry import merged_weights
+from modeldock.picking.config import RoutingConfig  # imports pydantic only (picking/__init__ is lazy)
 from modeldock.types import Endpoint
 from modeldock.usage.config import UsageConfig
 
@@ -213,49 +213,6 @@ class ModelConfig(_Strict):
 
     def static_endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(Endpoint.parse(item) for item in self.endpoints or ())
-
-
-def _weights(value: dict[str, float]) -> dict[str, float]:
-    """Scorer name -> weight, over the defaults; names and defaults come from the scorer registry
-    (modeldock/picking/registry.py), so an unknown name is an error naming the field."""
-    return merged_weights(value)
-
-
-# `routing.weights`: every scorer's weight, the defaults filled in (see the picking registry).
-WeightsConfig = Annotated[dict[str, float], AfterValidator(_weights)]
-
-
-class SaturationConfig(_Strict):
-    # Room (picking/saturation.py): an endpoint is full when one more request would not fit.
-    room: bool = True
-    kv_full: Annotated[float, Field(gt=0, le=1)] = 0.9  # with requests waiting, KV this full is full
-    stale_max_in_flight: Annotated[int, Field(ge=1)] | None = None  # stale sample: full at this many
-    # Fixed thresholds on a fresh sample (off unless set).
-    max_waiting: Annotated[int, Field(ge=1)] | None = None
-    max_kv: Annotated[float, Field(gt=0, le=1)] | None = None
-    reject: Literal["rate_limited", "unavailable"] = "rate_limited"
-    retry_after_seconds: Annotated[int, Field(ge=1)] = 1
-
-
-class ScrapeConfig(_Strict):
-    interval_seconds: Annotated[float, Field(gt=0, le=10)] = 0.5
-    timeout_seconds: Annotated[float, Field(gt=0, le=10)] = 0.5
-    budget_seconds: Annotated[float, Field(gt=0, le=10)] = 2.0
-    path: str = "/metrics"
-    # A request ending on an endpoint reads its page again out of turn (the last page still counts
-    # the KV it held), at most once per this many seconds per endpoint; 0 turns it off.
-    refresh_gap_seconds: Annotated[float, Field(ge=0, le=10)] = 0.05
-
-
-class RoutingConfig(_Strict):
-    policy: Literal["default", "seed", "least_request", "round_robin"] = "default"
-    fallbacks: Annotated[int, Field(ge=0, le=4)] = 2
-    weights: WeightsConfig = Field(default_factory=lambda: merged_weights())
-    stale_after_seconds: Annotated[float, Field(gt=0)] = 2.0  # metrics samples older than this are not trusted
-    stale_penalty: Annotated[float, Field(ge=0, le=1)] = 0.5
-    p2c_threshold: Annotated[int, Field(ge=2)] = 32
-    saturation: SaturationConfig = SaturationConfig()
-    scrape: ScrapeConfig = ScrapeConfig()
 
 
 class LimitsConfig(_Strict):

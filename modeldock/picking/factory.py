@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
+from modeldock.picking.config import RoutingConfig
 from modeldock.picking.picker import Picker
 from modeldock.picking.saturation import Saturation
-
-if TYPE_CHECKING:
-    from modeldock.config import RoutingConfig
 
 
 def build_picker(routing: RoutingConfig, clock: Clock, registry: CollectorRegistry | None, *,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from modeldock.picking.scorers import InFlight, Scorer, check_weights, default_scorers
+from modeldock.picking.registry import default_scorers
+from modeldock.picking.scorers import InFlight, Scorer, check_weights
 from modeldock.picking.signals import Signals
 from modeldock.types import Endpoint
 

@@ -1,10 +1,11 @@
-"""Every scorer by name, with its default weight and a factory: the one place both are written.
+"""Every scorer by name: its default weight and kind (from picking/config.py) with its factory.
 
-`routing.weights` (config.py) is validated against this table, and `Picker`
-builds its scorers from it. Adding a scorer: write it in a new module (a
-`SignalScorer` subclass for a load signal, or a class with `name`, `load = False`
-and `score(request, endpoints, signals)` for one that sees the request), then
-add one `ScorerSpec` line to `SCORERS` below. README.md shows an example.
+`routing.weights` is validated against `SCORER_DEFAULTS` (config.py, which the ground-floor
+schema mounts without loading this module), and `Picker` builds its scorers here. Adding a
+scorer: write it in a new module (a `SignalScorer` subclass for a load signal, or a class with
+`name`, `load = False` and `score(request, endpoints, signals)` for one that sees the request),
+then add its line to `SCORER_DEFAULTS` (config.py) and its factory to `_FACTORIES` below; the
+import fails while the two tables disagree. README.md shows an example.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from modeldock.picking.affinity import PrefixAffinity
+from modeldock.picking.config import DEFAULT_WEIGHTS, SCORER_DEFAULTS, load_scorer_names, merged_weights
 from modeldock.picking.headroom import KvHeadroom
 from modeldock.picking.scorers import InFlight, KvUsage, QueueDepth, RequestScorer, Running, Scorer
 from modeldock.picking.wait import PredictedWait
@@ -34,39 +36,23 @@ class ScorerSpec:
     doc: str = ""
 
 
-SCORERS: Mapping[str, ScorerSpec] = {spec.name: spec for spec in (
-    ScorerSpec("queue", 0.4, lambda _: QueueDepth(), doc="requests waiting, x / (x + 4)"),
-    # `kv_headroom` reads the KV fraction itself when no capacity is known, so `kv` is off by default.
-    ScorerSpec("kv", 0.0, lambda _: KvUsage(), doc="KV-cache fraction in use"),
-    ScorerSpec("kv_headroom", 0.3, lambda _: KvHeadroom(),
-               doc="KV tokens spoken for (committed, or used + sent since) over capacity"),
-    ScorerSpec("running", 0.15, lambda _: Running(), doc="sequences running, x / (x + 32)"),
-    ScorerSpec("in_flight", 0.15, lambda _: InFlight(), doc="this gateway's requests, x / (x + 8)"),
-    ScorerSpec("predicted_wait", 0.1, lambda _: PredictedWait(),
-               doc="committed tokens / the endpoint's own tokens per second, x / (x + 2 s)"),
-    ScorerSpec("prefix", 0.25, lambda o: PrefixAffinity(o.prefix_capacity), load=False,
-               doc="prefix-cache miss fraction, beside the load scorers' total of 1"),
-)}
+# Each scorer's factory; its name, default weight and kind are in config.py (`SCORER_DEFAULTS`).
+_FACTORIES: Mapping[str, Callable[[ScorerOptions], Scorer | RequestScorer]] = {
+    "queue": lambda _: QueueDepth(),
+    "kv": lambda _: KvUsage(),
+    "kv_headroom": lambda _: KvHeadroom(),
+    "running": lambda _: Running(),
+    "in_flight": lambda _: InFlight(),
+    "predicted_wait": lambda _: PredictedWait(),
+    "prefix": lambda o: PrefixAffinity(o.prefix_capacity),
+}
 
-DEFAULT_WEIGHTS: Mapping[str, float] = {name: spec.weight for name, spec in SCORERS.items()}
+if set(_FACTORIES) != set(SCORER_DEFAULTS):  # a scorer added to one table only: fail at import, loudly
+    raise RuntimeError(f"scorer tables disagree: factories {sorted(_FACTORIES)}, config {sorted(SCORER_DEFAULTS)}")
 
-
-def merged_weights(weights: Mapping[str, float] | None = None) -> dict[str, float]:
-    """`weights` over the defaults; ValueError naming any unknown scorer or a bad value."""
-    merged = {**DEFAULT_WEIGHTS, **(weights or {})}
-    unknown = sorted(set(merged) - set(SCORERS))
-    if unknown:
-        raise ValueError(f"unknown scorer weights {unknown}; known: {sorted(SCORERS)}")
-    negative = sorted(name for name, w in merged.items() if not w >= 0)
-    if negative:
-        raise ValueError(f"scorer weights must be >= 0: {negative}")
-    if sum(w for name, w in merged.items() if SCORERS[name].load) <= 0:
-        raise ValueError(f"at least one load scorer weight must be above 0 ({', '.join(load_scorer_names())})")
-    return merged
-
-
-def load_scorer_names() -> list[str]:
-    return [name for name, spec in SCORERS.items() if spec.load]
+SCORERS: Mapping[str, ScorerSpec] = {
+    name: ScorerSpec(name, d.weight, _FACTORIES[name], d.load, d.doc) for name, d in SCORER_DEFAULTS.items()
+}
 
 
 @dataclass
@@ -90,3 +76,12 @@ def build_scorers(weights: Mapping[str, float] | None = None,
             assert isinstance(scorer, RequestScorer)
             built.request.append((scorer, w))
     return built
+
+
+def default_scorers(weights: Mapping[str, float] | None = None) -> list[tuple[Scorer, float]]:
+    """The registered load scorers with `weights` (by scorer name) over the defaults."""
+    return build_scorers(weights).load
+
+
+__all__ = ["DEFAULT_WEIGHTS", "SCORERS", "BuiltScorers", "ScorerOptions", "ScorerSpec", "build_scorers",
+           "default_scorers", "load_scorer_names", "merged_weights"]

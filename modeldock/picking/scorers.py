@@ -18,7 +18,7 @@ so a percentage is never added to a request count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -127,13 +127,6 @@ class InFlight(SignalScorer):
 
     def __call__(self, s: Signals) -> float:
         return saturating(s.in_flight, self.half)
-
-
-def default_scorers(weights: Mapping[str, float] | None = None) -> list[tuple[Scorer, float]]:
-    """The registered load scorers with `weights` (by scorer name) over the defaults."""
-    from modeldock.picking.registry import build_scorers  # the registry imports this module
-
-    return build_scorers(weights).load
 
 
 def check_weights(scorers: Sequence[tuple[Scorer, float]]) -> None:

@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeldock.picking.policies import Weighted
-from modeldock.picking.scorers import InFlight, KvUsage, QueueDepth, Running, default_scorers, saturating
+from modeldock.picking.registry import default_scorers
+from modeldock.picking.scorers import InFlight, KvUsage, QueueDepth, Running, saturating
 from modeldock.picking.signals import Sample, Signals
 
 counts = st.floats(min_value=0, max_value=1e9, allow_nan=False)
