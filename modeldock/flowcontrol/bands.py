@@ -16,10 +16,9 @@ dispatched (cancelled, timed out, evicted) charges nothing to the items behind i
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from modeldock.flowcontrol.queue import Item
+from modeldock.flowcontrol.item import Item
 
 T = TypeVar("T")
 

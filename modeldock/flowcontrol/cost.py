@@ -5,10 +5,11 @@ counts characters: ~4 characters per token is the usual figure for English with
 Llama-3-class tokenizers (the simulator cuts tokens the same way). It never raises
 on a body the parser accepted; odd fields count as zero.
 
-The one estimator of the gateway: the director computes it once per request (picking,
-committed tokens, the queue's fairness), and token budgets (admission/tokens.py) call it
-with `body_bytes`, which makes the prompt the body's bytes / 4: deliberately high, since a
-budget's settlement gives back what was not used.
+The one estimator of the gateway: the director computes one `RequestCost` per request right after
+parsing (`request_cost`), which the token budgets (its `prompt_bound`, the body's bytes / 4:
+deliberately high, since a budget's settlement gives back what was not used), the queue's fairness
+and the picker's committed tokens all read. `estimate_cost` is the same count, read leniently, for
+tools and benchmarks.
 """
 
 from __future__ import annotations
@@ -24,16 +25,6 @@ from modeldock.errors import BadRequest
 CHARS_PER_TOKEN = 4
 # Chat templates add role markers around each message; ~3 tokens with Llama-3's template.
 MESSAGE_OVERHEAD_TOKENS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class RequestCost:
-    prompt_tokens: int
-    max_new_tokens: int
-
-    @property
-    def total(self) -> int:
-        return self.prompt_tokens + self.max_new_tokens
 
 
 def _text_chars(content: Any) -> int:
@@ -96,6 +87,28 @@ class OutputLimit:
     def tokens(self, default_per_choice: int) -> int:
         """Output tokens the request may generate, all sequences, with `default_per_choice` when unset."""
         return (self.per_choice if self.per_choice is not None else default_per_choice) * self.choices
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestCost:
+    """A request's token cost, computed once after parsing (`request_cost`) and read by the token
+    budgets (`prompt_bound`, `limit`), the queue's fairness and the picker's committed tokens (`total`,
+    `max_new_tokens`)."""
+
+    prompt_tokens: int  # the prompt, counted from its text (at least 1)
+    max_new_tokens: int  # output tokens it may generate, all choices (the limit, else the default per choice)
+    prompt_bound: int = 0  # the body's bytes / 4: the budgets' prompt estimate, an upper bound (0: not known)
+    limit: OutputLimit = OutputLimit(None, 1)  # the client's output bound, as the backend reads it
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.max_new_tokens
+
+    def bounded(self, per_choice: int) -> RequestCost:
+        """The cost once the gateway set the body's output limit to `per_choice` (billing.bound_output)."""
+        limit = OutputLimit(per_choice, self.limit.choices)
+        return RequestCost(prompt_tokens=self.prompt_tokens, max_new_tokens=limit.tokens(0),
+                           prompt_bound=self.prompt_bound, limit=limit)
 
 
 def _lax_int(body: Mapping[str, Any], name: str, strict: bool) -> int | None:
@@ -166,21 +179,29 @@ def write_output_limit(body: dict[str, Any], per_choice: int, *, chat: bool) -> 
         body["max_tokens"] = per_choice
 
 
+def request_cost(body: dict[str, Any], body_bytes: int, *, chat: bool, default_per_choice: int
+                 ) -> tuple[RequestCost, bool]:
+    """The director's one estimate of a parsed request (strict: a limit vLLM would refuse is a 400 naming
+    the field), and whether reading its limit rewrote the body (read_output_limit)."""
+    limit, normalised = read_output_limit(body, chat=chat)
+    return RequestCost(prompt_tokens=max(1, _prompt_tokens(body)), max_new_tokens=limit.tokens(default_per_choice),
+                       prompt_bound=-(-max(body_bytes, 0) // CHARS_PER_TOKEN), limit=limit), normalised
+
+
 def estimate_cost(body: Mapping[str, Any], default_max_tokens: int, *, body_bytes: int | None = None,
                   limit: OutputLimit | None = None) -> RequestCost:
-    """Prompt tokens (estimated) plus the output tokens the request may generate.
+    """Prompt tokens (estimated) plus the output tokens the request may generate, read leniently (for
+    tools and benchmarks; never raises, never writes to the body).
 
     The output is `limit` (from `read_output_limit`), else read leniently from the body (a value that is
     not a positive integer counts as unset); `default_max_tokens` per choice when no limit is set. The
     prompt is counted from its text (at least 1 token), or, given `body_bytes`, as the body's bytes / 4
     (an upper bound, for budgets).
     """
-    if body_bytes is None:
-        prompt = max(1, _prompt_tokens(body))
-    else:
-        prompt = -(-max(body_bytes, 0) // CHARS_PER_TOKEN)
+    bound = 0 if body_bytes is None else -(-max(body_bytes, 0) // CHARS_PER_TOKEN)
+    prompt = max(1, _prompt_tokens(body)) if body_bytes is None else bound
     if limit is None:
-        # Lenient reads never write to the body.
         limit, _ = read_output_limit(body if isinstance(body, dict) else dict(body), chat="messages" in body,
                                      strict=False)
-    return RequestCost(prompt_tokens=prompt, max_new_tokens=limit.tokens(default_max_tokens))
+    return RequestCost(prompt_tokens=prompt, max_new_tokens=limit.tokens(default_max_tokens), prompt_bound=bound,
+                       limit=limit)

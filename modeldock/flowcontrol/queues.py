@@ -27,8 +27,12 @@ class FlowQueues(Generic[T]):
         *,
         release: Callable[[T], None],
         metrics: QueueMetrics | None = None,
+        drain_rate: Callable[[str], float] | None = None,
     ) -> None:
+        """`drain_rate(model)`: tokens/second the model's endpoints process together, for each queue's
+        drain budget (FlowQueue)."""
         self.config = config
+        self._drain_rate = drain_rate
         self._clock = clock
         self._release = release
         self._metrics = metrics or QueueMetrics(None)
@@ -37,8 +41,10 @@ class FlowQueues(Generic[T]):
     def get(self, model: str) -> FlowQueue[T]:
         queue = self._queues.get(model)
         if queue is None:
+            rate = self._drain_rate
             queue = self._queues[model] = FlowQueue(
-                model, self.config, self._clock, release=self._release, metrics=self._metrics
+                model, self.config, self._clock, release=self._release, metrics=self._metrics,
+                drain_rate=None if rate is None else lambda: rate(model),
             )
         return queue
 

@@ -15,9 +15,9 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
                      readable (503), before admission so a request that cannot be served
                      keeps the tenant's rate-limit quota
   7. prompt blocks   the prompt's block hashes, for prefix affinity; the queue class
-                     (`x-priority`, 400 if the tenant may not use it); the output bound, read once as
-                     the backend reads it (`read_output_limit`: max_tokens, n, best_of, prompt lists; 400
-                     naming a field it cannot count)
+                     (`x-priority`, 400 if the tenant may not use it); the request's one `RequestCost`
+                     (`request_cost`: the output bound read as the backend reads it, max_tokens, n,
+                     best_of, prompt lists, 400 naming a field it cannot count; the prompt estimates)
   8. admission       in-flight slot and rate-limit windows (429 / 503)
   8b. token budgets  reserve the prompt estimate and the output bound in every budget that applies
                      (429 / 503), and write the reserved output limit into the body when the client
@@ -25,13 +25,11 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
                      queue and the picker follows from that limit; a streaming request that needs usage
                      asks the backend for it (`stream_options.include_usage`, dropped again by Envoy if
                      the client did not ask)
-  9. pick + count    `Picker.pick(model, prefix, cost=...)`, synchronous, right after
-                     admission; when every endpoint is saturated (or others already wait),
-                     the request waits in the model's flow-control queue holding its ticket
-                     and reservation, and is picked and counted in one synchronous step inside
-                     the queue's claim callback when room appears (a lease of the model released,
-                     a fresh sample: the picker's room listener). It leaves with 429 queue_full /
-                     queue_timeout, or at once when its client goes (ticket released, tokens refunded).
+  9. pick + count    one call, `Dispatcher.acquire(Waiting(...))` (flowcontrol/dispatcher.py): picked
+                     and counted at once when there is room and nobody waits, else after a wait in the
+                     model's fair queue, holding its ticket and reservation. It leaves with 429
+                     queue_full / queue_timeout, or at once when its client goes (ticket released,
+                     tokens refunded).
 
 A reservation is refunded at once if the request is refused after it (pick, queue); otherwise it
 is settled once, from Envoy's access log, by `Gateway.settle` (settlement.py joins the two).
@@ -46,31 +44,29 @@ the tenant and model when known; the adapter renders it (extproc/responses.py).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypedDict, cast
+from collections.abc import Callable, Mapping
 
-from modeldock.admission.budget_headers import OUTPUT_LIMIT, OUTPUT_LIMIT_REASON
-from modeldock.admission.budgets import Reservation, TokenBudgets, has_budgets
 from modeldock.admission.keys import KeyStore
 from modeldock.admission.limits import Admission
-from modeldock.admission.pricing import Price, model_price
-from modeldock.admission.tokens import BYTES_PER_TOKEN, Usage
+from modeldock.budgets.budgets import Reservation, TokenBudgets, has_budgets
+from modeldock.budgets.headers import OUTPUT_LIMIT, OUTPUT_LIMIT_REASON
+from modeldock.budgets.pricing import Price, model_price
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import Clock
 from modeldock.config import Config, ModelConfig, TenantConfig
 from modeldock.errors import BadRequest, NotFound, Rejection, Unavailable
-from modeldock.flowcontrol import FlowQueues, Item, QueueMetrics, estimate_cost
-from modeldock.flowcontrol.cost import OutputLimit, read_output_limit
-from modeldock.flowcontrol.standing import Standing
+from modeldock.flowcontrol import QueueMetrics, Waiting
+from modeldock.flowcontrol.cost import request_cost
+from modeldock.flowcontrol.dispatcher import Dispatcher
 from modeldock.gateway.billing import Bound, bound_output, termination
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
 from modeldock.gateway.routed import Finished, Routed, ask_for_usage
 from modeldock.gateway.settlement import UsageReport
-from modeldock.picking import Pick, Picker, Saturated
+from modeldock.picking import Picker
 from modeldock.picking.prefix import prompt_blocks
 from modeldock.types import Endpoint
 from modeldock.usage.log import UsageLog
@@ -82,29 +78,8 @@ log = logging.getLogger("modeldock.extproc")
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 MODELS_PATH = "/v1/models"
-# The drain budget applies once the oldest request queued has waited this share of
-# queue.max_wait_seconds: evidence that the queue is not a burst that drains at once (its
-# estimate counts each request's whole output limit, which real requests often stop short of).
-# A whole max_wait let admitted requests wait up to twice it (overload TTFT p95 0.81-0.94 s
-# against 0.76-0.79 s at a half, three runs and two; measured at 0.6x capacity, none shed).
-SHED_AFTER = 0.5
 # OpenAI's wording, for an unknown model and for one the key may not use alike.
 _NO_SUCH_MODEL = "The model `{}` does not exist or you do not have access to it."
-
-
-# What a queued request carries for its pick: prompt blocks, token cost, the gateway's subset hint,
-# and its standing's inputs: tenant id, weight, class priority.
-_Waiting = tuple[Sequence[int], int, frozenset[Endpoint] | None, str, float, int, int | None]
-
-
-class _Headroom(TypedDict, total=False):
-    headroom: int
-    headroom_tokens: int | None
-
-
-def _release_pick(pick: Pick) -> None:
-    """A pick the queue made for a waiter that was cancelled in the same instant."""
-    pick.lease.release()
 
 
 def check_route(head: RequestHead) -> None:
@@ -139,17 +114,15 @@ class Gateway:
         self._xds_down_for = xds_down_for
         self.stale_models: frozenset[str] = frozenset()
         # The queue's settings apply from start; tenants' weights and classes follow reloads.
-        self.queues: FlowQueues[Pick] = FlowQueues(config.queue, clock, release=_release_pick, metrics=queue_metrics)
-        self.standing = Standing(clock, config.queue.headroom_window_seconds, config.queue.share_window_seconds)
-        self._dispatching = False
-        self._again: set[str] = set()
-        picker.add_room_listener(self.dispatch)
+        # Flow control behind one call (acquire); the picker's room listener wakes its queues.
+        self.flow = Dispatcher(config.queue, clock, pick=picker.pick, speed=picker.ledger.speed, metrics=queue_metrics)
+        picker.add_room_listener(self.flow.dispatch)
         self._load(config)
 
     def apply_config(self, config: Config) -> None:
         """Swap tenants, models and limits on reload."""
         self.admission.reconfigure(config)
-        if config.queue != self.queues.config:
+        if config.queue != self.flow.config:
             log.warning("config reload: `queue:` changed; restart ext_proc "
                         "(and re-render Envoy's bootstrap) to apply it")
         self.budgets.reconfigure(config)
@@ -204,27 +177,29 @@ class Gateway:
             prefix = prompt_blocks(data)
             klass = self.request_class(tenant, head)
             chat = head.path == CHAT_PATH
-            limit, normalised = read_output_limit(data, chat=chat)
+            cost, normalised = request_cost(data, len(body), chat=chat,
+                                            default_per_choice=self.flow.config.default_max_tokens)
             ticket = await self.admission.admit(tenant, model)
             reservation: Reservation | None = None
-            bound = Bound(limit.per_choice, "")
+            bound = Bound(cost.limit.per_choice, "")
             try:
                 if self.records_on or has_budgets(tenant):
+                    limit = cost.limit
                     reservation = await self.budgets.reserve(
                         tenant, config.upstream_name, rid or f"route-{next(self._route_ids)}",
-                        prompt=-(-len(body) // BYTES_PER_TOKEN),
-                        output=limit.tokens(self.config.limits.reserve_completion_tokens),
+                        prompt=cost.prompt_bound, output=limit.tokens(self.config.limits.reserve_completion_tokens),
                         min_output=limit.choices, price=self._prices.get(model))
                     # The body's output limit is never above what was reserved for it.
                     bound = bound_output(data, limit, reservation.output, capped=reservation.capped, chat=chat)
+                    if bound.per_choice is not None and bound.reason:
+                        cost = cost.bounded(bound.per_choice)
             except BaseException:
                 ticket.release()
                 raise
-            estimate = estimate_cost(data, self.queues.config.default_max_tokens,
-                                     limit=OutputLimit(bound.per_choice, limit.choices))
-            cost, output = estimate.total, estimate.max_new_tokens
             try:
-                pick = await self._pick(head, tenant, model, klass, prefix, cost, subset, output)
+                pick = await self.flow.acquire(Waiting(
+                    model=model, tenant=tenant.id, weight=tenant.weight, klass=klass, cost=cost.total,
+                    output=cost.max_new_tokens, prefix=prefix, subset=subset, request_id=head.request_id))
             except BaseException:
                 ticket.release()  # timed out, shed, cancelled (the client left) or refused: nothing held
                 if reservation is not None:
@@ -314,125 +289,11 @@ class Gateway:
             raise
         return tenant, self.visible_models(tenant)
 
-    # -- the queue -------------------------------------------------------
-
-    async def _pick(self, head: RequestHead, tenant: TenantConfig, model: str, klass: str,
-                    prefix: Sequence[int], cost: int, subset: frozenset[Endpoint] | None = None,
-                    output: int | None = None) -> Pick:
-        """Pick + count at once when there is room and nobody waits; else wait in the queue."""
-        priority = self.queues.config.priority(klass)
-        self.standing.seen(model, tenant.id, tenant.weight, priority)
-        queue = self.queues.waiting(model)
-        headroom = self.headroom(model, tenant.id, tenant.weight, priority)
-        if not headroom:
-            self.standing.protected(model, cost)
-        # Nobody waits (the usual path: one call), or this request is protected from those who wait
-        # (a lower class, a tenant over its share): the slots they leave free are its own, so it takes
-        # one at once rather than queue behind one that may not take it, on a fast endpoint.
-        fast = self._prefer_fast(model, tenant.id, priority, headroom)
-        if queue is None or fast:
-            try:
-                pick = self.picker.pick(model, prefix, cost=cost, subset=subset, prefer_fast=fast, output=output,
-                                        **headroom)
-                self.standing.served(model, tenant.id, cost, tenant.weight)
-                return pick
-            except Saturated:
-                if not self.queues.config.enabled:
-                    raise
-        behind = queue is not None  # others wait: join them (fair order), then let dispatch decide
-        queue = self.queues.get(model)
-        max_wait = self.queues.config.max_wait_seconds
-        speed = self.picker.ledger.speed(model) if max_wait is not None else 0.0
-        item = queue.enqueue(tenant.id, cost, klass=klass, weight=tenant.weight,
-                             data=(prefix, cost, subset, tenant.id, tenant.weight, priority, output),
-                             max_ahead=speed * max_wait if max_wait is not None and speed > 0 else None,
-                             wait_hint=max_wait, protected=self._passes(headroom),
-                             shed_after=(max_wait or 0.0) * SHED_AFTER)
-        if behind:
-            self.dispatch(model)
-        try:
-            pick = await queue.wait(item)
-        except Rejection as rejection:
-            rejection.detail = (f"{rejection.detail}; " if rejection.detail else "") + (
-                f"waited {self.clock.monotonic() - item.enqueued_at:.3f}s in the queue (class {klass})")
-            raise
-        except asyncio.CancelledError:
-            log.info("request %s left the queue of model %s after %.3fs: the client went away (tenant=%s class=%s)",
-                     head.request_id or "-", model, self.clock.monotonic() - item.enqueued_at, tenant.id, klass)
-            raise
-        log.info("request %s waited %.3fs in the queue of model %s (tenant=%s class=%s cost=%d) -> %s",
-                 head.request_id or "-", self.clock.monotonic() - item.enqueued_at, model, tenant.id, klass, cost,
-                 pick.primary.address)
-        return pick
-
-    def dispatch(self, model: str) -> None:
-        """Room may have appeared for `model` (the picker's room listener): hand queued requests
-        their picks while there is room. Synchronous, no I/O; a call made while dispatching (a
-        release inside a claim) runs after the current one."""
-        if self.queues.waiting(model) is None:
-            return
-        if self._dispatching:
-            self._again.add(model)
-            return
-        self._dispatching = True
-        try:
-            pending = {model}
-            while pending:
-                name = pending.pop()
-                queue = self.queues.waiting(name)
-                if queue is not None:
-                    queue.dispatch(lambda item, name=name: self._claim(name, item),  # type: ignore[misc]
-                                   lambda item, name=name: self._protected(name, item))  # type: ignore[misc]
-                pending |= self._again
-                self._again.clear()
-        finally:
-            self._dispatching = False
-
-    def _claim(self, model: str, item: Item[Pick]) -> Pick | None:
-        """Pick and count for a queued request, or None: still no room."""
-        prefix, cost, subset, tenant, weight, priority, output = cast(_Waiting, item.data)
-        headroom = self.headroom(model, tenant, weight, priority)
-        try:
-            pick = self.picker.pick(model, prefix, cost=cost, subset=subset, output=output,
-                                    prefer_fast=self._prefer_fast(model, tenant, priority, headroom), **headroom)
-        except Saturated:
-            return None
-        self.standing.served(model, tenant, cost, weight)
-        return pick
-
-    def _passes(self, headroom: _Headroom) -> bool:
-        """Will a queued request with this headroom be tried past heads that must leave room?"""
-        config = self.queues.config
-        return not headroom and bool(config.headroom or config.headroom_tokens)
-
-    def _prefer_fast(self, model: str, tenant: str, priority: int, headroom: _Headroom) -> bool:
-        """A protected request while others on the model must leave it room (headroom on)."""
-        return (not headroom and bool(self.queues.config.headroom)
-                and self.standing.contended(model, tenant, priority))
-
-    def _protected(self, model: str, item: Item[Pick]) -> bool:
-        """May a queued request use the headroom (the queue then tries it past a head that may not)?"""
-        _, _, _, tenant, weight, priority, _ = cast(_Waiting, item.data)
-        return not self.headroom(model, tenant, weight, priority)
-
-    def headroom(self, model: str, tenant: str, weight: float, priority: int) -> _Headroom:
-        """The request's standing as the picker takes it: the slots and tokens it must leave free
-        (a class above it active, or its tenant over its share: flowcontrol/standing.py), or none
-        (protected, or headroom off). Only with the queue on: headroom is what it keeps free."""
-        config = self.queues.config
-        if not config.enabled or not (config.headroom or config.headroom_tokens):
-            return {}
-        if self.standing.must_leave_headroom(model, tenant, weight, priority):
-            kept = config.headroom_tokens
-            if kept is None:  # each kept slot sized to the protected requests seen lately (standing.py)
-                one = self.standing.kept_tokens(model)
-                kept = None if one is None else one * config.headroom
-            return {"headroom": config.headroom, "headroom_tokens": kept}
-        return {}
+    # -- the steps -------------------------------------------------------
 
     def request_class(self, tenant: TenantConfig, head: RequestHead) -> str:
         """The queue class: the tenant's, or the one its `x-priority` header asks for if allowed."""
-        own = tenant.priority or self.queues.config.default_class
+        own = tenant.priority or self.flow.config.default_class
         asked = head.priority
         if not asked or asked == own:
             return own
@@ -441,8 +302,6 @@ class Gateway:
         allowed = sorted({own, *tenant.priorities_allowed})
         raise BadRequest(f"`{PRIORITY_HEADER}: {asked[:64]}` is not a priority this API key may use; "
                          f"use one of {', '.join(allowed)}.", code="priority_not_allowed")
-
-    # -- the steps -------------------------------------------------------
 
     def resolve_model(self, tenant: TenantConfig, name: str) -> ModelConfig:
         """The model's config. Unknown and not allowed get the same answer, so that a key cannot

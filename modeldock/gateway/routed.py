@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from modeldock.admission.budgets import Reservation
 from modeldock.admission.limits import Ticket
+from modeldock.budgets.budgets import Reservation
 from modeldock.config import TenantConfig
 from modeldock.picking import Lease
 from modeldock.types import Endpoint

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from modeldock.clock import FakeClock
-from modeldock.flowcontrol import FlowQueue, QueueConfig
+from modeldock.flowcontrol import FlowQueue, QueueConfig, Waiting
 
 
 class Harness:
     """A FlowQueue[int] whose claims are numbered; released claims are recorded."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, **config: Any) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, *, drain_rate: Callable[[], float] | None = None,
+                 shed_after: float = 0.0, **config: Any) -> None:
         self.clock = FakeClock()
         self.released: list[int] = []
         self.config = QueueConfig(**config)
-        self.queue: FlowQueue[int] = FlowQueue("m", self.config, self.clock, release=self.released.append, loop=loop)
+        self.queue: FlowQueue[int] = FlowQueue("m", self.config, self.clock, release=self.released.append, loop=loop,
+                                               drain_rate=drain_rate, shed_after=shed_after)
         self.next_claim = 0
 
     def claim_all(self, budget: float = float("inf")) -> list[tuple[str, int, str]]:
@@ -34,3 +37,8 @@ class Harness:
 
         self.queue.dispatch(claim)
         return order
+
+
+def waiting(tenant: str, cost: int, *, klass: str | None = None, weight: float = 1.0, model: str = "m") -> Waiting:
+    """A request for the queue, as the dispatcher hands it one."""
+    return Waiting(model=model, tenant=tenant, cost=cost, klass=klass or "", weight=weight)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modeldock.flowcontrol import QueueConfig, estimate_cost
+from modeldock.flowcontrol.cost import request_cost
 
 
 def test_chat_text_and_multipart_content_count_with_message_overhead() -> None:
@@ -72,12 +73,13 @@ def test_never_raises_on_any_json_object(body: dict[str, Any]) -> None:
 
 
 def test_one_estimator_for_picking_and_budgets() -> None:
-    from modeldock.admission.tokens import estimate_cost as budget_cost
-
     body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 30, "n": 2}
     text = estimate_cost(body, 7)
     assert text.prompt_tokens == 100 + 3 and text.max_new_tokens == 60  # n choices each generate
     by_bytes = estimate_cost(body, 7, body_bytes=1000)
     assert by_bytes.prompt_tokens == 250 and by_bytes.max_new_tokens == 60
-    assert budget_cost(body, 1000, 7) == by_bytes.total
+    # The director's one estimate carries both prompts: the text's for picking, the bytes' for budgets.
+    once, _ = request_cost(dict(body), 1000, chat=True, default_per_choice=7)
+    assert (once.prompt_tokens, once.prompt_bound, once.max_new_tokens) == (103, 250, 60)
+    assert once.bounded(10).max_new_tokens == 20 and once.bounded(10).prompt_bound == 250
     assert estimate_cost({"prompt": "a", "n": 1000}, 7).max_new_tokens == 7000  # any n: each choice generates

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from modeldock.errors import RateLimited
 from modeldock.flowcontrol import Item, State
-from tests.unit.flowcontrol.flow_helpers import Harness
+from tests.unit.flowcontrol.flow_helpers import Harness, waiting
 
 
 def evicted(item: Item[int]) -> bool:
@@ -32,18 +32,18 @@ def test_a_higher_class_arrival_evicts_the_hog_not_the_light_tenant_that_just_go
     # The reported case: the hog fills the queue with batch work, the light tenant gets in by
     # evicting the hog's newest, and 0.03 s later an interactive arrival evicted the light one.
     h = Harness(idle_loop, max_length=6)
-    hog = [h.queue.enqueue("hog", 100, klass="batch") for _ in range(6)]
+    hog = [h.queue.enqueue(waiting("hog", 100, klass="batch")) for _ in range(6)]
     h.clock.advance(0.5)
-    light = h.queue.enqueue("light", 100, klass="batch")
+    light = h.queue.enqueue(waiting("light", 100, klass="batch"))
     assert evicted(hog[5]) and light.state is State.QUEUED
     h.clock.advance(0.03)
-    vip = h.queue.enqueue("vip", 100, klass="interactive")
+    vip = h.queue.enqueue(waiting("vip", 100, klass="interactive"))
     assert vip.state is State.QUEUED
     assert light.state is State.QUEUED  # it holds one item, the hog five: the hog is over its share
     assert evicted(hog[4])  # the hog's newest
     assert [item.state for item in hog[:4]] == [State.QUEUED] * 4
     # A standard arrival too, and the hog stays the one shed while it holds the most.
-    h.queue.enqueue("vip", 100, klass="standard")
+    h.queue.enqueue(waiting("vip", 100, klass="standard"))
     assert evicted(hog[3]) and light.state is State.QUEUED
     assert len(h.queue) == 6 and h.queue.counts.rejected == 3
 
@@ -52,16 +52,16 @@ def test_heaviest_is_tokens_per_weight_not_item_count(idle_loop: asyncio.Abstrac
     # "big" holds one 1000-token request, "small" three of 10 (the newest of all is small's):
     # by tokens, big holds the most of the class and is the one shed.
     h = Harness(idle_loop, max_length=4)
-    big = h.queue.enqueue("big", 1000, klass="batch")
-    small = [h.queue.enqueue("small", 10, klass="batch") for _ in range(3)]
-    h.queue.enqueue("vip", 10, klass="interactive")
+    big = h.queue.enqueue(waiting("big", 1000, klass="batch"))
+    small = [h.queue.enqueue(waiting("small", 10, klass="batch")) for _ in range(3)]
+    h.queue.enqueue(waiting("vip", 10, klass="interactive"))
     assert evicted(big) and all(item.state is State.QUEUED for item in small)
     # By weight: "w" (weight 4) holds 4 x 100 = 100 per unit, "l" (weight 1) holds 2 x 100 = 200,
     # and the newest item is w's: l is over its share, w within it, so l's newest goes.
     h2 = Harness(idle_loop, max_length=6)
-    l_items = [h2.queue.enqueue("l", 100, klass="batch") for _ in range(2)]
-    w_items = [h2.queue.enqueue("w", 100, klass="batch", weight=4.0) for _ in range(4)]
-    h2.queue.enqueue("vip", 10, klass="standard")
+    l_items = [h2.queue.enqueue(waiting("l", 100, klass="batch")) for _ in range(2)]
+    w_items = [h2.queue.enqueue(waiting("w", 100, klass="batch", weight=4.0)) for _ in range(4)]
+    h2.queue.enqueue(waiting("vip", 10, klass="standard"))
     assert evicted(l_items[1]) and l_items[0].state is State.QUEUED
     assert all(item.state is State.QUEUED for item in w_items)
 
@@ -71,12 +71,12 @@ def test_a_higher_class_sheds_the_lowest_class_even_from_a_light_tenant(
 ) -> None:
     # Priority first: the hog's standard work is not a candidate while batch work waits.
     h = Harness(idle_loop, max_length=4)
-    hog = [h.queue.enqueue("hog", 100, klass="standard") for _ in range(3)]
-    light = h.queue.enqueue("light", 100, klass="batch")
-    h.queue.enqueue("vip", 100, klass="interactive")
+    hog = [h.queue.enqueue(waiting("hog", 100, klass="standard")) for _ in range(3)]
+    light = h.queue.enqueue(waiting("light", 100, klass="batch"))
+    h.queue.enqueue(waiting("vip", 100, klass="interactive"))
     assert evicted(light) and all(item.state is State.QUEUED for item in hog)
     with pytest.raises(RateLimited, match="is full"):
-        h.queue.enqueue("light", 100, klass="batch")  # below every class present: refused itself
+        h.queue.enqueue(waiting("light", 100, klass="batch"))  # below every class present: refused itself
 
 
 # -- property: random arrivals against the rule --------------------------------------------------
@@ -139,7 +139,7 @@ def run(steps: list[tuple[Any, ...]], weights: dict[str, float], max_length: int
                 before = [item for item in items if item.state is State.QUEUED]
                 full = len(before) >= max_length
                 try:
-                    new = h.queue.enqueue(tenant, cost, klass=klass, weight=weights[tenant])
+                    new = h.queue.enqueue(waiting(tenant, cost, klass=klass, weight=weights[tenant]))
                 except RateLimited as exc:
                     assert exc.code == "queue_full" and full
                     refused += 1
@@ -165,11 +165,11 @@ def run(steps: list[tuple[Any, ...]], weights: dict[str, float], max_length: int
         # Nothing lost, nothing held twice: every item is dispatched once, rejected with a 429, or
         # cancelled, or still queued -- and then the next dispatch hands it out exactly once.
         h.queue.expire()  # the last advance's timeouts, before the final dispatch would make them
-        waiting = [item for item in items if item.state is State.QUEUED]
+        queued = [item for item in items if item.state is State.QUEUED]
         handed = len(claims)
-        assert h.queue.dispatch(claim_with([10**9])) == len(waiting)
-        assert all(item.state is State.DISPATCHED for item in waiting)
-        assert sorted(item.claim for item in waiting) == claims[handed:]  # type: ignore[type-var]
+        assert h.queue.dispatch(claim_with([10**9])) == len(queued)
+        assert all(item.state is State.DISPATCHED for item in queued)
+        assert sorted(item.claim for item in queued) == claims[handed:]  # type: ignore[type-var]
         dispatched = [item.claim for item in items if item.state is State.DISPATCHED]
         assert sorted(dispatched) == claims  # type: ignore[type-var]
         for item in items:

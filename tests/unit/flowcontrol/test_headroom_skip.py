@@ -10,6 +10,7 @@ from flow_helpers import Harness
 
 from modeldock.errors import Unavailable
 from modeldock.flowcontrol import Item, State
+from tests.unit.flowcontrol.flow_helpers import waiting
 
 
 class Room:
@@ -42,10 +43,10 @@ def _dispatch(h: Harness, room: Room) -> int:
 def test_a_protected_request_queued_behind_a_blocked_head_takes_the_kept_slot(
         idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop)
-    a1 = h.queue.enqueue("alice", 100)
-    h.queue.enqueue("alice", 100)
-    b1 = h.queue.enqueue("bob", 100)
-    b2 = h.queue.enqueue("bob", 100)
+    a1 = h.queue.enqueue(waiting("alice", 100))
+    h.queue.enqueue(waiting("alice", 100))
+    b1 = h.queue.enqueue(waiting("bob", 100))
+    b2 = h.queue.enqueue(waiting("bob", 100))
     room = Room(free=1, over={"alice"})
     assert _dispatch(h, room) == 1
     assert room.order == [("bob", b1.seq)]  # bob's first, FIFO; alice's second never tried
@@ -63,8 +64,8 @@ def test_a_protected_request_queued_behind_a_blocked_head_takes_the_kept_slot(
 
 def test_without_the_predicate_or_with_a_protected_head_dispatch_stops(idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop)
-    h.queue.enqueue("alice", 100)
-    h.queue.enqueue("bob", 100)
+    h.queue.enqueue(waiting("alice", 100))
+    h.queue.enqueue(waiting("bob", 100))
     room = Room(free=1, over={"alice"})
     assert h.queue.dispatch(room.claim) == 0  # no predicate: the old rule
     room = Room(free=0, over={"bob"})  # alice, protected, finds no room: nobody may pass her
@@ -74,9 +75,9 @@ def test_without_the_predicate_or_with_a_protected_head_dispatch_stops(idle_loop
 
 def test_only_protected_heads_of_the_same_band_pass(idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop, backfill_seconds=0)  # (backfill would try carol's smaller one too)
-    h.queue.enqueue("alice", 100)
-    carol = h.queue.enqueue("carol", 10)  # small, but over its share too: must not jump alice
-    low = h.queue.enqueue("bob", 100, klass="batch")  # protected, but of a lower class
+    h.queue.enqueue(waiting("alice", 100))
+    carol = h.queue.enqueue(waiting("carol", 10))  # small, but over its share too: must not jump alice
+    low = h.queue.enqueue(waiting("bob", 100, klass="batch"))  # protected, but of a lower class
     room = Room(free=1, over={"alice", "carol"})
     assert _dispatch(h, room) == 0
     assert ("carol", carol.seq) not in room.tried and ("bob", low.seq) not in room.tried
@@ -85,9 +86,9 @@ def test_only_protected_heads_of_the_same_band_pass(idle_loop: asyncio.AbstractE
 
 def test_a_rejection_while_skipping_rejects_that_item_and_goes_on(idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop)
-    h.queue.enqueue("alice", 100)
-    bad = h.queue.enqueue("bob", 100)
-    good = h.queue.enqueue("dan", 100)
+    h.queue.enqueue(waiting("alice", 100))
+    bad = h.queue.enqueue(waiting("bob", 100))
+    good = h.queue.enqueue(waiting("dan", 100))
     room = Room(free=1, over={"alice"})
 
     def claim(item: Item[int]) -> int | None:
@@ -103,8 +104,8 @@ def test_a_rejection_while_skipping_rejects_that_item_and_goes_on(idle_loop: asy
 def test_backfill_past_a_protected_head_takes_no_tenant_over_its_share(
         idle_loop: asyncio.AbstractEventLoop) -> None:
     h = Harness(idle_loop, backfill_seconds=0.5)
-    bob = h.queue.enqueue("bob", 300)  # under his share, at the head; does not fit
-    alice = h.queue.enqueue("alice", 50)  # over her share: must not take the room bob waits for
+    bob = h.queue.enqueue(waiting("bob", 300))  # under his share, at the head; does not fit
+    alice = h.queue.enqueue(waiting("alice", 50))  # over her share: must not take the room bob waits for
     room = Room(free=3, over={"alice"})
 
     def claim(item: Item[int]) -> int | None:
@@ -112,6 +113,6 @@ def test_backfill_past_a_protected_head_takes_no_tenant_over_its_share(
 
     assert h.queue.dispatch(claim, room.protected) == 0
     assert room.tried == [] and alice.state is State.QUEUED
-    small = h.queue.enqueue("bob", 50)  # his own smaller one may pass him
+    small = h.queue.enqueue(waiting("bob", 50))  # his own smaller one may pass him
     assert h.queue.dispatch(claim, room.protected) >= 1
     assert small.state is State.DISPATCHED and bob.state is State.QUEUED

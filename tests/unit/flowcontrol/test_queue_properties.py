@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited
 from modeldock.flowcontrol import FlowQueue, Item, QueueConfig, State
+from tests.unit.flowcontrol.flow_helpers import waiting
 
 TENANTS = ("a", "b", "c")
 CLASSES = ("interactive", "standard", "batch")
@@ -57,7 +58,7 @@ async def scenario(ops: list[tuple[Any, ...]], backfill: float) -> None:
         kind = step[0]
         if kind == "enqueue":
             try:
-                item = queue.enqueue(step[1], step[3], klass=step[2])
+                item = queue.enqueue(waiting(step[1], step[3], klass=step[2]))
             except RateLimited as exc:
                 assert exc.code == "queue_full"
                 continue

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.config import hash_key
 from modeldock.errors import RateLimited, Unavailable
@@ -115,7 +115,7 @@ async def test_a_request_refused_after_its_reservation_is_refunded_at_once(monke
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise Unavailable("no endpoint", code="no_endpoint")
 
-    monkeypatch.setattr(gw.picker, "pick", refuse)
+    monkeypatch.setattr(gw.flow, "pick_and_count", refuse)
     with pytest.raises(Unavailable):
         await gw.route(head("k-tb"), body(max_tokens=900), "rid-1")
     assert gw.budgets.held_count() == 0 and gw.admission.in_flight("tb") == 0

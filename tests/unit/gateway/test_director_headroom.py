@@ -51,7 +51,7 @@ async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
     first = await rig.route("bat", 1)
     second = rig.route("bat", 2)
     await settle()
-    assert not second.done() and len(rig.gateway.queues) == 1  # one slot of two kept free
+    assert not second.done() and len(rig.gateway.flow.queues) == 1  # one slot of two kept free
     top = await rig.route("ivy", 2)  # ... for this one, at once, past the queued batch request
     assert top.primary == EP and not second.done()
     top.release()  # room again, but batch still leaves the last slot while ivy is recent
@@ -106,7 +106,7 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     timed_out = rig.route("alice", 4)
     await settle()
     rig.clock.advance(1.5)
-    rig.gateway.dispatch("m")
+    rig.gateway.flow.dispatch("m")
     await settle()
     assert timed_out.done() and isinstance(timed_out.exception(), RateLimited)
     # Dispatched and cancelled in the same instant: the claim is released once.
@@ -145,7 +145,7 @@ async def test_a_protected_request_already_queued_passes_a_head_over_its_share()
     await settle()
     queued = rig.route("bob", 2)  # bob, served two of five: protected, but no room either
     await settle()
-    assert not second.done() and not queued.done() and len(rig.gateway.queues) == 2
+    assert not second.done() and not queued.done() and len(rig.gateway.flow.queues) == 2
     bob.release()  # one slot frees: alice, served three of five, must leave it; bob may take it
     await settle()
     assert queued.done() and not second.done()
@@ -162,30 +162,30 @@ async def test_a_protected_request_already_queued_passes_a_head_over_its_share()
 async def test_the_kept_room_is_sized_to_the_protected_requests_seen() -> None:
     rig = Rig(headroom=2)
     (await rig.route("ivy")).release()  # the top class: protected, its cost sampled
-    cost = rig.gateway.standing.kept_tokens("m")
+    cost = rig.gateway.flow.standing.kept_tokens("m")
     assert cost is not None and cost > 0
     # A lower class must leave two slots, each the size of the protected requests seen.
-    assert rig.gateway.headroom("m", "bat", 1.0, 0) == {"headroom": 2, "headroom_tokens": 2 * cost}
-    assert rig.gateway.headroom("m", "ivy", 1.0, 2) == {}
+    assert rig.gateway.flow.headroom("m", "bat", 1.0, 0) == (2, 2 * cost)
+    assert rig.gateway.flow.headroom("m", "ivy", 1.0, 2) is None
     # A configured size replaces it.
     fixed = Rig(headroom=1, headroom_tokens=123)
     (await fixed.route("ivy")).release()
-    assert fixed.gateway.headroom("m", "bat", 1.0, 0) == {"headroom": 1, "headroom_tokens": 123}
+    assert fixed.gateway.flow.headroom("m", "bat", 1.0, 0) == (1, 123)
 
 
 async def test_only_a_protected_request_in_contention_prefers_a_fast_endpoint() -> None:
     rig = Rig()
     (await rig.route("ivy")).release()
-    top = rig.gateway.headroom("m", "ivy", 1.0, 2)
-    assert not rig.gateway._prefer_fast("m", "ivy", 2, top)  # alone on the model: spaced as usual
+    top = rig.gateway.flow.headroom("m", "ivy", 1.0, 2)
+    assert not rig.gateway.flow._prefer_fast("m", "ivy", 2, top)  # alone on the model: spaced as usual
     (await rig.route("bat")).release()  # a lower class is active: ivy's room is kept from it
-    assert rig.gateway._prefer_fast("m", "ivy", 2, top)
-    low = rig.gateway.headroom("m", "bat", 1.0, 0)
-    assert low and not rig.gateway._prefer_fast("m", "bat", 0, low)  # it must leave room: no
+    assert rig.gateway.flow._prefer_fast("m", "ivy", 2, top)
+    low = rig.gateway.flow.headroom("m", "bat", 1.0, 0)
+    assert low and not rig.gateway.flow._prefer_fast("m", "bat", 0, low)  # it must leave room: no
     off = Rig(headroom=0)
     (await off.route("ivy")).release()
     (await off.route("bat")).release()
-    assert not off.gateway._prefer_fast("m", "ivy", 2, {})  # headroom off: nothing is protected
+    assert not off.gateway.flow._prefer_fast("m", "ivy", 2, None)  # headroom off: nothing is protected
 
 
 def test_the_models_declared_batch_limit_reaches_the_picker() -> None:

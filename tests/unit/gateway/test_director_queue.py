@@ -48,7 +48,7 @@ class Rig(GatewayRig):
 
     @property
     def queued(self) -> int:
-        return len(self.gateway.queues)
+        return len(self.gateway.flow.queues)
 
     def held(self) -> tuple[int, int, int]:
         """(admission tickets, leases, committed tokens) held now."""
@@ -104,7 +104,7 @@ async def test_cancelled_while_queued_leaves_nothing_behind() -> None:
     first.release()
     await settle()
     assert rig.held() == (0, 0, 0)
-    assert rig.gateway.queues.get("m").counts.cancelled == 1
+    assert rig.gateway.flow.queues.get("m").counts.cancelled == 1
 
 
 async def test_ttl_gives_429_queue_timeout_with_retry_after_and_releases_the_ticket() -> None:
@@ -113,7 +113,7 @@ async def test_ttl_gives_429_queue_timeout_with_retry_after_and_releases_the_tic
     waiting = rig.route(590)
     await settle()
     rig.clock.advance(3.0)
-    rig.gateway.queues.expire()
+    rig.gateway.flow.queues.expire()
     await settle()
     with pytest.raises(RateLimited) as caught:
         waiting.result()
@@ -188,7 +188,7 @@ async def test_dispatch_and_cancel_in_the_same_instant_count_once() -> None:
     await settle()
     assert waiting.cancelled()
     assert rig.held() == (0, 0, 0)
-    assert rig.gateway.queues.get("m").counts.abandoned == 1
+    assert rig.gateway.flow.queues.get("m").counts.abandoned == 1
 
 
 async def test_newcomers_queue_behind_waiters_instead_of_jumping_them() -> None:
