@@ -42,13 +42,14 @@ from redis.backoff import NoBackoff  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
 from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.admission.budget_redis import RESERVE_LUA, SETTLE_LUA  # noqa: E402
-from modeldock.admission.budgets import TokenBudgets  # noqa: E402
-from modeldock.admission.redis_batch import RedisBatch, Script  # noqa: E402
-from modeldock.admission.redis_window import make_redis_client, run_script  # noqa: E402
-from modeldock.admission.tokens import Usage  # noqa: E402
+from modeldock.admission.redis_window import run_script  # noqa: E402
+from modeldock.budgets.budgets import TokenBudgets  # noqa: E402
+from modeldock.budgets.redis_batch import RedisBatch, Script  # noqa: E402
+from modeldock.budgets.redis_window import RESERVE_LUA, SETTLE_LUA  # noqa: E402
+from modeldock.budgets.tokens import Usage  # noqa: E402
 from modeldock.clock import SystemClock  # noqa: E402
 from modeldock.config import Config, LimitsConfig, ModelConfig, TenantConfig, hash_key  # noqa: E402
+from modeldock.redis_client import make_redis_client  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 KEYS = ["bench:{t}:minute", "bench:{t}:minute:amt", "bench:{t}:day", "bench:{t}:day:amt"]

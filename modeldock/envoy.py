@@ -11,8 +11,8 @@ from string import Template
 
 import yaml
 
-from modeldock.admission.budget_headers import BUDGET_RESPONSE_HEADERS
 from modeldock.admission.headers import LIMIT, REMAINING, RESET
+from modeldock.budgets.headers import BUDGET_RESPONSE_HEADERS
 from modeldock.config import ListenerConfig
 from modeldock.extproc.attempts import RID_HEADER, USAGE_LOG_NAME, USAGE_NAMESPACE, USAGE_PATHS
 from modeldock.extproc.responses import local_reply_config

@@ -11,26 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 
 from prometheus_client import CollectorRegistry
-from redis.asyncio import Redis
 
 from modeldock.admission.concurrency import ConcurrencyLimiter, Slot
 from modeldock.admission.headers import format_duration, ratelimit_headers, rejection_headers
 from modeldock.admission.metrics import AdmissionMetrics
 from modeldock.admission.per_model import PerModelLimits
-from modeldock.admission.redis_window import RedisUnavailable, RedisWindow, make_redis_client, model_key, tenant_key
+from modeldock.admission.redis_window import RedisWindow, model_key, tenant_key
 from modeldock.admission.window import WINDOW_SECONDS, Decision, SlidingWindow, binding
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
+from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_redis_client
 
 log = logging.getLogger(__name__)
-
-# (redis_url, timeout in seconds) -> client. Tests pass their own.
-RedisClientFactory = Callable[[str, float], Redis]
 
 
 class Ticket:
@@ -55,22 +52,6 @@ class Ticket:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
-
-
-class LogThrottle:
-    """True at most once per interval, so an outage logs a line, not a flood."""
-
-    def __init__(self, clock: Clock, interval_s: float) -> None:
-        self._clock = clock
-        self._interval_s = interval_s
-        self._last: float | None = None
-
-    def ready(self) -> bool:
-        now = self._clock.monotonic()
-        if self._last is not None and now - self._last < self._interval_s:
-            return False
-        self._last = now
-        return True
 
 
 class Admission:

@@ -8,7 +8,8 @@ replicas' own clocks do not matter.
 
 Every call is bounded by `timeout_s`; any failure (refused, reset, timeout,
 error reply) raises `RedisUnavailable` and the caller decides whether to fail
-open or closed. The client reconnects by itself on the next call.
+open or closed. The client (`modeldock.redis_client.make_redis_client`) reconnects by itself on
+the next call.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from modeldock.admission.window import WINDOW_SECONDS, Decision
+from modeldock.redis_client import RedisUnavailable
 
 KEY_PREFIX = "modeldock:rl:"
-MAX_CONNECTIONS = 64
 
 # KEYS[i]: one window (sorted set). ARGV[1]: window length in microseconds;
 # ARGV[2]: the request id; ARGV[2 + i]: the limit for KEYS[i].
@@ -73,26 +72,6 @@ for i, key in ipairs(KEYS) do
 end
 return out
 """
-
-
-class RedisUnavailable(Exception):
-    """Redis could not answer in time; the message says why (never the URL)."""
-
-
-def make_redis_client(url: str, timeout_s: float) -> Redis:
-    """A client whose every step (pool wait, connect, read) is bounded by `timeout_s`."""
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=MAX_CONNECTIONS,
-        timeout=timeout_s,  # waiting for a free pooled connection
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        # One immediate retry reconnects a pooled connection that died with a
-        # restarted server. A retried call resends the same request id, so ZADD
-        # cannot count it twice.
-        retry=Retry(NoBackoff(), 1),
-    )
-    return Redis.from_pool(pool)
 
 
 def tenant_key(tenant_id: str, prefix: str = KEY_PREFIX) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 
 SSE_HOLD_BYTES = 64 * 1024
 JSON_MAX_BYTES = 1024 * 1024

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from envoy.service.accesslog.v3 import als_pb2
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.gateway.settlement import UsageReport
 from modeldock.types import Endpoint
 from modeldock.xds.resources import ROUTE_NAMESPACE

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import Clock
 
 log = logging.getLogger("modeldock.extproc")

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.config import ListenerConfig
 from modeldock.extproc import responses
 from modeldock.extproc.attempts import usage_reports

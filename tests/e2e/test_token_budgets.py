@@ -23,7 +23,7 @@ import pytest
 import redis
 import yaml
 
-from modeldock.admission.budget_redis import budget_key
+from modeldock.budgets.redis_window import budget_key
 from modeldock.config import hash_key
 from modeldock.usage.record import UsageRecord
 from tests.support.redis_server import RedisServer

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.extproc import responses
 from modeldock.extproc.attempts import usage_reports
 from modeldock.gateway.settlement import UsageReport

@@ -9,9 +9,10 @@ import time
 
 import redis
 
-from modeldock.admission.limits import Admission, LogThrottle
+from modeldock.admission.limits import Admission
 from modeldock.admission.window import SlidingWindow
 from modeldock.clock import FakeClock
+from modeldock.redis_client import LogThrottle
 from tests.support.redis_server import RedisServer
 from tests.unit.admission.admission_helpers import config, tenant
 

@@ -10,9 +10,10 @@ import pytest
 import redis.asyncio
 
 from modeldock.admission.limits import Admission
-from modeldock.admission.redis_window import RedisWindow, make_redis_client
+from modeldock.admission.redis_window import RedisWindow
 from modeldock.clock import FakeClock, SystemClock
 from modeldock.errors import RateLimited, Unavailable
+from modeldock.redis_client import make_redis_client
 from tests.support.redis_server import RedisServer
 from tests.unit.admission.admission_helpers import config, tenant
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from modeldock.admission.redis_window import RedisUnavailable, RedisWindow, make_redis_client
+from modeldock.admission.redis_window import RedisWindow
+from modeldock.redis_client import RedisUnavailable, make_redis_client
 from tests.support.redis_server import RedisServer, free_port
 
 

@@ -14,7 +14,8 @@ import pytest
 import redis.asyncio
 
 from modeldock.admission import redis_window
-from modeldock.admission.redis_window import RedisWindow, make_redis_client
+from modeldock.admission.redis_window import RedisWindow
+from modeldock.redis_client import make_redis_client
 from tests.support.redis_server import RedisServer
 
 NOW_KEY = "modeldock:test:now"

@@ -124,8 +124,8 @@ def test_every_upstream_auth_header_is_set_after_the_client_credential_is_remove
 
 
 def test_every_budget_response_header_comes_from_the_route_metadata() -> None:
-    from modeldock.admission.budget_headers import BUDGET_RESPONSE_HEADERS
     from modeldock.admission.headers import LIMIT, REMAINING, RESET
+    from modeldock.budgets.headers import BUDGET_RESPONSE_HEADERS
 
     routes = hcm(render(ListenerConfig()))["route_config"]["virtual_hosts"][0]["routes"]
     (routed,) = [r for r in routes if "dynamic_metadata" in r["match"]]

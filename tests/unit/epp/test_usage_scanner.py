@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.epp.usage import JSON_MAX_BYTES, SSE_HOLD_BYTES, UsageScanner
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n'

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from envoy.service.accesslog.v3 import als_pb2
 
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.tokens import Usage
 from modeldock.extproc.attempts import usage_reports
 from modeldock.gateway.settlement import UsageReport
 from tests.support.extproc_messages import usage_log_entry, usage_log_message

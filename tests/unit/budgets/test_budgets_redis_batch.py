@@ -6,13 +6,12 @@ import asyncio
 
 import redis.asyncio
 
-from modeldock.admission.budgets import TokenBudgets
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import TokenBudgets
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
-from tests.unit.admission.test_budgets_redis import MINUTE, clocked, redis_total
+from tests.unit.budgets.budget_helpers import MINUTE, budget_config, budget_tenant, clocked, redis_total
 
 
 def replica(server: RedisServer, clock: FakeClock, timers: ManualTimers, *, timeout_ms: int = 2000) -> TokenBudgets:

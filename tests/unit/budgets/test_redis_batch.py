@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 import redis.asyncio
 
-from modeldock.admission.redis_batch import RedisBatch, Script, make_batch_client
-from modeldock.admission.redis_window import RedisUnavailable
+from modeldock.budgets.redis_batch import RedisBatch, Script
+from modeldock.redis_client import RedisUnavailable, make_batch_client
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
 

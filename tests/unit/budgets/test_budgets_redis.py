@@ -5,32 +5,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
 
 import pytest
-import redis.asyncio
 
-from modeldock.admission.budget_redis import RedisTokenWindow
-from modeldock.admission.budgets import Reservation, TokenBudgets
-from modeldock.admission.redis_window import make_redis_client
+from modeldock.budgets.budgets import Reservation, TokenBudgets
+from modeldock.budgets.redis_window import RedisTokenWindow
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited, Unavailable
+from modeldock.redis_client import make_redis_client
 from tests.support.redis_server import RedisServer
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
-
-MINUTE = "modeldock:tb:{acme}:minute"
-
-
-def clocked(clock: FakeClock) -> Callable[[], int]:
-    return lambda: round(clock.time() * 1_000_000)
-
-
-async def redis_total(server: RedisServer, key: str = MINUTE) -> int:
-    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
-    try:
-        return int(await client.hget(key + ":amt", "~total") or 0)
-    finally:
-        await client.aclose()
+from tests.unit.budgets.budget_helpers import MINUTE, budget_config, budget_tenant, clocked, redis_total
 
 
 def replica(

@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 from redis.asyncio import Redis
 
-from modeldock.admission.budget_window import UNIT, BudgetLimit, Shape
-from modeldock.admission.redis_batch import FLUSH_INTERVAL_S, CallLater, OnError, RedisBatch, Script
-from modeldock.admission.redis_window import RedisUnavailable, decisions_from_reply
+from modeldock.admission.redis_window import decisions_from_reply
 from modeldock.admission.window import Decision
+from modeldock.budgets.redis_batch import FLUSH_INTERVAL_S, CallLater, OnError, RedisBatch, Script
+from modeldock.budgets.window import UNIT, BudgetLimit, Shape
+from modeldock.redis_client import RedisUnavailable
 
 KEY_PREFIX = "modeldock:tb:"
 

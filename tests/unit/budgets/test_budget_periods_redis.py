@@ -9,17 +9,16 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from modeldock.admission.budgets import TokenBudgets
-from modeldock.admission.pricing import model_price
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import TokenBudgets
+from modeldock.budgets.pricing import model_price
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.config import PriceConfig, TenantConfig
 from modeldock.errors import RateLimited
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
-from tests.unit.admission.test_budget_periods import NY_NEW_YEAR
-from tests.unit.admission.test_budgets_redis import clocked, redis_total
+from tests.unit.budgets.budget_helpers import budget_config, budget_tenant, clocked, redis_total
+from tests.unit.budgets.test_budget_periods import NY_NEW_YEAR
 
 DEC = "modeldock:tb:{acme}:month:2026-12"
 JAN = "modeldock:tb:{acme}:month:2027-01"

@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from modeldock.admission.budgets import Reservation, TokenBudgets
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import Reservation, TokenBudgets
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
-from tests.unit.admission.test_budgets_redis import clocked, redis_total
+from tests.unit.budgets.budget_helpers import budget_config, budget_tenant, clocked, redis_total
 
 _tenants = itertools.count()
 

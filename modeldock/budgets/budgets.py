@@ -23,14 +23,16 @@ import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, overload
 
-from redis.asyncio import Redis
-
-from modeldock.admission.budget_headers import budget_headers, format_money
-from modeldock.admission.budget_lease import BudgetSet, Drawn, LeaseBook
-from modeldock.admission.budget_period import Periods
-from modeldock.admission.budget_redis import RedisTokenWindow
-from modeldock.admission.budget_reservation import Reservation, State
-from modeldock.admission.budget_specs import (
+from modeldock.admission.headers import format_duration
+from modeldock.admission.window import Decision, binding
+from modeldock.budgets.headers import budget_headers, format_money
+from modeldock.budgets.lease import BudgetSet, Drawn, LeaseBook
+from modeldock.budgets.period import Periods
+from modeldock.budgets.pricing import Price
+from modeldock.budgets.redis_batch import CallLater
+from modeldock.budgets.redis_window import RedisTokenWindow
+from modeldock.budgets.reservation import Reservation, ReservationState
+from modeldock.budgets.specs import (
     Plan,
     Spec,
     binding_index,
@@ -40,26 +42,18 @@ from modeldock.admission.budget_specs import (
     shapes_for,
     with_period_times,
 )
-from modeldock.admission.budget_window import Shape, TokenWindow, shaped
-from modeldock.admission.headers import format_duration
-from modeldock.admission.limits import LogThrottle
-from modeldock.admission.pricing import Price
-from modeldock.admission.redis_batch import CallLater, make_batch_client
-from modeldock.admission.redis_window import RedisUnavailable
-from modeldock.admission.tokens import Usage
-from modeldock.admission.window import Decision, binding
+from modeldock.budgets.tokens import Usage
+from modeldock.budgets.window import Shape, TokenWindow, shaped
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
+from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_batch_client
 
-__all__ = ["Reservation", "State", "TokenBudgets", "has_budgets", "matching_budgets"]
+__all__ = ["Reservation", "ReservationState", "TokenBudgets", "has_budgets", "matching_budgets"]
 
 log = logging.getLogger(__name__)
 
 MINUTE_SECONDS = 60.0
-
-RedisClientFactory = Callable[[str, float], Redis]
-
 
 class TokenBudgets:
     def __init__(

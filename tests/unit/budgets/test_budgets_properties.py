@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modeldock.admission.budgets import Reservation, TokenBudgets
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import Reservation, TokenBudgets
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
+from tests.unit.budgets.budget_helpers import budget_config, budget_tenant
 
 WINDOW = 60.0
 

@@ -15,14 +15,14 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from modeldock.admission.budget_lease import Lease
-from modeldock.admission.pricing import Price, to_micros
-from modeldock.admission.tokens import Usage, charge_for
+from modeldock.budgets.lease import TokenLease
+from modeldock.budgets.pricing import Price, to_micros
+from modeldock.budgets.tokens import Usage, charge_for
 
 if TYPE_CHECKING:
-    from modeldock.admission.budgets import TokenBudgets
+    from modeldock.budgets.budgets import TokenBudgets
 
-State = Literal["held", "settled", "refunded", "charged"]
+ReservationState = Literal["held", "settled", "refunded", "charged"]
 
 
 class Reservation:
@@ -39,7 +39,7 @@ class Reservation:
         prompt: int,
         output: int,
         keys: list[tuple[str, float]],
-        lease: Lease | None,
+        lease: TokenLease | None,
         headers: Mapping[str, str],
         *,
         asked: int | None = None,
@@ -59,7 +59,7 @@ class Reservation:
         self.asked = output if asked is None else asked  # the output limit the request asked for
         self.price = price
         self.headers: Mapping[str, str] = headers
-        self.state: State = "held"
+        self.state: ReservationState = "held"
         self.charged: int | None = None  # tokens finally counted, once settled
         self.charged_usage: Usage | None = None  # what was charged (tokens.charge_for)
         self.charged_cost: float | None = None  # its price, when the model has one
@@ -105,7 +105,7 @@ class Reservation:
         `close` flushes). For callers off the request path and for refunds in an error path."""
         went = sent if sent is not None else bool(reached_backend)
         charged = charge_for(self.prompt, self.output, usage, sent=went, backend_error=backend_error)
-        state: State = "settled" if usage is not None else "charged" if went else "refunded"
+        state: ReservationState = "settled" if usage is not None else "charged" if went else "refunded"
         return self._close_nowait(state, charged)
 
     async def settle(self, total: int | Usage) -> None:
@@ -130,7 +130,7 @@ class Reservation:
         cost = to_micros(self.price.of(usage)) if self.price is not None else 0
         return [cost if is_cost else tokens for is_cost in self._units]
 
-    def _close_nowait(self, state: State, usage: Usage) -> asyncio.Future[None] | None:
+    def _close_nowait(self, state: ReservationState, usage: Usage) -> asyncio.Future[None] | None:
         if self.state != "held":
             return None
         # Decided before any await, so concurrent callers cannot both settle.

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import redis.asyncio
+
+from modeldock.clock import FakeClock
 from modeldock.config import Config, LimitsConfig, ModelConfig, PriceConfig, TenantConfig, hash_key
+from tests.support.redis_server import RedisServer
 
 
 def budget_tenant(
@@ -30,3 +35,18 @@ def budget_config(*tenants: TenantConfig, price: PriceConfig | None = None, **li
                 for name in ("m", "llama-8b", "llama-70b")],
         limits=LimitsConfig(**limits),
     )
+
+
+MINUTE = "modeldock:tb:{acme}:minute"
+
+
+def clocked(clock: FakeClock) -> Callable[[], int]:
+    return lambda: round(clock.time() * 1_000_000)
+
+
+async def redis_total(server: RedisServer, key: str = MINUTE) -> int:
+    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    try:
+        return int(await client.hget(key + ":amt", "~total") or 0)
+    finally:
+        await client.aclose()

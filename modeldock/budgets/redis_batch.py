@@ -26,14 +26,12 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.utils import HIREDIS_AVAILABLE
 
-from modeldock.admission.redis_window import RedisUnavailable
+from modeldock.redis_client import RedisUnavailable
 
 if HIREDIS_AVAILABLE:  # redis[hiredis]: redis-py parses the replies in C; _pack packs in C
     from hiredis import pack_command
@@ -42,28 +40,12 @@ FLUSH_INTERVAL_S = 0.01
 MAX_BATCH = 64
 
 
-def make_batch_client(url: str, timeout_s: float) -> Redis:
-    """A client for one `RedisBatch`, which holds one connection and bounds every write and read
-    with `asyncio.timeout`: so a small plain pool and no `socket_timeout` (with one set, redis-py
-    wraps every send in `asyncio.wait_for`, a task per write). Connecting is bounded."""
-    pool = ConnectionPool.from_url(
-        url,
-        max_connections=4,
-        socket_timeout=None,  # redis-py's default is 5 s
-        socket_connect_timeout=timeout_s,
-        # One immediate retry reconnects a pooled connection that died with a restarted server. The
-        # budget scripts are idempotent (a reservation id counts once, a settlement is absolute).
-        retry=Retry(NoBackoff(), 1),
-    )
-    return Redis.from_pool(pool)
-
-
-class Handle(Protocol):
+class TimerHandle(Protocol):
     def cancel(self) -> None: ...
 
 
 # (delay seconds, callback) -> a handle to cancel it; `loop.call_later` unless a test injects one.
-CallLater = Callable[[float, Callable[[], None]], Handle]
+CallLater = Callable[[float, Callable[[], None]], TimerHandle]
 OnError = Callable[[RedisUnavailable], None]
 
 
@@ -112,7 +94,7 @@ class RedisBatch:
         self._busy = False  # a write is in flight (sent by a caller, or by the sender task)
         self._sender: asyncio.Task[None] | None = None
         self._idle: asyncio.Future[None] | None = None  # for flush(): done when nothing is in flight
-        self._timer: Handle | None = None
+        self._timer: TimerHandle | None = None
         self._closing: asyncio.Task[None] | None = None
         self._flush_due = False
         self._closed = False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from modeldock.flowcontrol.cost import CHARS_PER_TOKEN as BYTES_PER_TOKEN
 from modeldock.flowcontrol.cost import estimate_cost as _estimate
 
-__all__ = ["BYTES_PER_TOKEN", "Usage", "charge_for", "estimate_cost"]
+__all__ = ["BYTES_PER_TOKEN", "Usage", "charge_for", "estimated_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +62,13 @@ def _count(value: object) -> int | None:
     return int(value)
 
 
-def estimate_cost(request: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
+def estimated_tokens(request: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
     """Tokens to reserve for a parsed chat/completions request whose body was `body_bytes` long."""
     return _estimate(request, reserve_completion_tokens, body_bytes=body_bytes).total
 
 
 def charge_for(prompt: int, output: int, usage: Usage | None, *, sent: bool, backend_error: bool = False) -> Usage:
-    """What a request is charged, the one settlement rule (admission/README.md "The settlement rule").
+    """What a request is charged, the one settlement rule (budgets/README.md "The settlement rule").
 
     `prompt` and `output` are what was reserved for it (the prompt estimate and the output limit the
     forwarded body carried, all choices). The backend's reported usage is charged exactly. Without it: a

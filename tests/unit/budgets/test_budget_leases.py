@@ -8,17 +8,16 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from modeldock.admission.budget_redis import RedisTokenWindow
-from modeldock.admission.budgets import Reservation, TokenBudgets
-from modeldock.admission.redis_batch import make_batch_client
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import Reservation, TokenBudgets
+from modeldock.budgets.redis_window import RedisTokenWindow
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.config import ConfigError, parse_config
 from modeldock.errors import RateLimited, Unavailable
+from modeldock.redis_client import make_batch_client
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
-from tests.unit.admission.test_budgets_redis import MINUTE, clocked, redis_total
+from tests.unit.budgets.budget_helpers import MINUTE, budget_config, budget_tenant, clocked, redis_total
 
 REMAINING = "x-ratelimit-remaining-tokens"
 BIG = 1_000_000

@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from modeldock.admission.budget_period import PeriodKind, Periods, period_window
-from modeldock.admission.budget_redis import budget_key
-from modeldock.admission.budget_window import BudgetLimit, Shape, most_that_fits, shaped
-from modeldock.admission.pricing import Price
 from modeldock.admission.window import Decision, binding
+from modeldock.budgets.period import PeriodKind, Periods, period_window
+from modeldock.budgets.pricing import Price
+from modeldock.budgets.redis_window import budget_key
+from modeldock.budgets.window import BudgetLimit, Shape, most_that_fits, shaped
 from modeldock.config import TenantConfig
 
 Unit = Literal["tokens", "cost"]

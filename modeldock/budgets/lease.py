@@ -28,24 +28,24 @@ import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from modeldock.admission.budget_redis import RedisTokenWindow
-from modeldock.admission.budget_window import BudgetLimit
-from modeldock.admission.redis_batch import CallLater, Handle, OnError
-from modeldock.admission.redis_window import RedisUnavailable
 from modeldock.admission.window import Decision, binding
+from modeldock.budgets.redis_batch import CallLater, OnError, TimerHandle
+from modeldock.budgets.redis_window import RedisTokenWindow
+from modeldock.budgets.window import BudgetLimit
 from modeldock.clock import Clock
+from modeldock.redis_client import RedisUnavailable
 
 log = logging.getLogger(__name__)
 
 BudgetSet = tuple[BudgetLimit, ...]
-Drawn = tuple["Lease", Decision, int]  # the lease, the binding decision, the tokens the request took
+Drawn = tuple["TokenLease", Decision, int]  # the lease, the binding decision, the tokens the request took
 
 LEASE_SHARE = 16  # a lease takes at most 1/16 of the smallest limit of its set (at least one request)
 HEADROOM = 2.0  # lease target: the set's recent draw over one lifetime, times this
 PREFETCH = 0.5  # top up once the room falls under half the target, or past half the lifetime
 
 
-class Lease:
+class TokenLease:
     __slots__ = (
         "budget_set", "decision", "drawn", "entry", "folded", "grant", "granted_at", "id", "index", "keys",
         "outstanding", "periods", "retired", "timer", "topped", "window",
@@ -69,7 +69,7 @@ class Lease:
         self.folded = False  # its final settlement was sent (a period's counter folds the entry)
         self.granted_at = granted_at  # local clock, taken before the call: never later than Redis's stamp
         self.retired = False
-        self.timer: Handle | None = None
+        self.timer: TimerHandle | None = None
         self.topped = False  # one top-up per lease
 
     @property
@@ -81,7 +81,7 @@ class _Set:
     __slots__ = ("active", "cap", "last", "pending", "rate")
 
     def __init__(self, cap: int, now: float) -> None:
-        self.active: Lease | None = None
+        self.active: TokenLease | None = None
         self.pending = False  # a grant of a whole lease (a miss's or a top-up) is in flight
         self.cap = cap
         self.rate = 0.0  # tokens asked for over about the last lease lifetime (an exponentially decayed sum)
@@ -174,7 +174,7 @@ class LeaseBook:
         self._install(lease, generation)
         return decisions, (lease, self._decision(lease, self._clock.monotonic()), taken)
 
-    def settle(self, lease: Lease, cost: int, amount: int) -> asyncio.Future[None] | None:
+    def settle(self, lease: TokenLease, cost: int, amount: int) -> asyncio.Future[None] | None:
         """A request drawn from `lease` ends at `amount` (reserved `cost`): the lease's room changes by the
         difference; Redis is written only when its entry must follow (see the module docstring)."""
         lease.drawn += amount - cost
@@ -213,7 +213,7 @@ class LeaseBook:
 
     async def _grant(
         self, window: RedisTokenWindow, budget_set: BudgetSet, lease_id: str, cost: int, want: int
-    ) -> tuple[list[Decision], Lease | None]:
+    ) -> tuple[list[Decision], TokenLease | None]:
         started = self._clock.monotonic()
         try:
             decisions, grant = await window.reserve_up_to(lease_id, cost, want, budget_set)
@@ -227,9 +227,9 @@ class LeaseBook:
             return decisions, None
         self.grants += 1
         index = binding(decisions)
-        return decisions, Lease(lease_id, window, budget_set, grant, decisions[index], started, index)
+        return decisions, TokenLease(lease_id, window, budget_set, grant, decisions[index], started, index)
 
-    def _install(self, lease: Lease, generation: int) -> None:
+    def _install(self, lease: TokenLease, generation: int) -> None:
         state = self._sets.get(lease.budget_set)
         if state is None or generation != self._generation or lease.room <= 0:
             # Leases off, made before a reconfigure, or no room left: it settles like one request.
@@ -242,7 +242,7 @@ class LeaseBook:
         # Retires an idle lease, so a replica that stops sending does not hold its room for the window.
         lease.timer = later(self.lease_s, lambda: self._expire(lease))
 
-    async def _top_up(self, old: Lease, state: _Set, cost: int) -> None:
+    async def _top_up(self, old: TokenLease, state: _Set, cost: int) -> None:
         generation = self._generation
         try:
             _, lease = await self._grant(old.window, old.budget_set, self._next_id(), cost, self._target(state, cost))
@@ -254,14 +254,14 @@ class LeaseBook:
         if lease is not None:  # refused: this lease serves on; its end is a miss
             self._install(lease, generation)
 
-    def _expire(self, lease: Lease) -> None:
+    def _expire(self, lease: TokenLease) -> None:
         lease.timer = None
         self._retire(lease)
         state = self._sets.get(lease.budget_set)
         if state is not None and state.active is None and self._clock.monotonic() - state.last >= self.lease_s:
             del self._sets[lease.budget_set]  # idle: forget its rate
 
-    def _retire(self, lease: Lease) -> None:
+    def _retire(self, lease: TokenLease) -> None:
         if lease.retired:
             return
         lease.retired = True
@@ -273,7 +273,7 @@ class LeaseBook:
             state.active = None
         self._sync(lease)  # frees the undrawn part at once
 
-    def _sync(self, lease: Lease) -> asyncio.Future[None] | None:
+    def _sync(self, lease: TokenLease) -> asyncio.Future[None] | None:
         drawn = lease.drawn
         if not lease.retired:
             if drawn <= lease.entry:
@@ -299,7 +299,7 @@ class LeaseBook:
     def _target(state: _Set, cost: int) -> int:
         return max(cost, min(int(state.rate * HEADROOM), state.cap))
 
-    def _decision(self, lease: Lease, now: float) -> Decision:
+    def _decision(self, lease: TokenLease, now: float) -> Decision:
         # Remaining as Redis saw it after the grant, plus what the lease still holds for this replica.
         d = lease.decision
         return Decision(

@@ -9,14 +9,14 @@ from datetime import UTC, datetime
 
 import pytest
 
-from modeldock.admission.budget_period import period_at
-from modeldock.admission.budgets import TokenBudgets
-from modeldock.admission.pricing import model_price
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import TokenBudgets
+from modeldock.budgets.period import period_at
+from modeldock.budgets.pricing import model_price
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import FakeClock
 from modeldock.config import ConfigError, PriceConfig, parse_config
 from modeldock.errors import RateLimited
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
+from tests.unit.budgets.budget_helpers import budget_config, budget_tenant
 
 HOUR = 3600.0
 # 2027-01-01 00:00 in New York (EST, UTC-5) is 05:00Z.

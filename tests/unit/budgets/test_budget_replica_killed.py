@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from modeldock.admission.budget_headers import format_money
-from modeldock.admission.budgets import TokenBudgets
-from modeldock.admission.pricing import Price, model_price
-from modeldock.admission.tokens import Usage
+from modeldock.budgets.budgets import TokenBudgets
+from modeldock.budgets.headers import format_money
+from modeldock.budgets.pricing import Price, model_price
+from modeldock.budgets.tokens import Usage
 from modeldock.clock import SystemClock
 from modeldock.config import Config, PriceConfig
 from tests.support.redis_server import RedisServer
-from tests.unit.admission.budget_helpers import budget_config, budget_tenant
-from tests.unit.admission.test_budgets_redis import redis_total
+from tests.unit.budgets.budget_helpers import budget_config, budget_tenant, redis_total
 
 ROOT = Path(__file__).resolve().parents[3]
 PRICE = PriceConfig(input=2.0, output=8.0)
@@ -36,11 +35,11 @@ MONTH_LIMIT = 160_000  # leases up to 10,000 (1/16)
 CHILD = """
 import asyncio, sys
 import redis.asyncio
-from modeldock.admission.budget_headers import format_money
-from modeldock.admission.budgets import TokenBudgets
-from modeldock.admission.pricing import model_price
+from modeldock.budgets.headers import format_money
+from modeldock.budgets.budgets import TokenBudgets
+from modeldock.budgets.pricing import model_price
 from modeldock.clock import SystemClock
-from tests.unit.admission.test_budget_replica_killed import config
+from tests.unit.budgets.test_budget_replica_killed import config
 
 async def main() -> None:
     cfg = config(sys.argv[1])

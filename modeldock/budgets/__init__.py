@@ -1,0 +1,1 @@
+"""Token budgets: tokens and money a tenant may spend per window or calendar period (reserve, settle)."""
