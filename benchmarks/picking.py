@@ -3,8 +3,8 @@ tokens check with the request's output limit known (the growth bound, `saturatio
 unknown (the committed tokens alone), side by side; and that bound against the step-by-step one
 (`saturation.fits_as_they_finish`) by requests on the endpoint.
 
-    .venv/bin/python benchmarks/picking.py            # prints
-    .venv/bin/python benchmarks/picking.py --write    # also writes the `picking-room` section of docs/benchmarks.md
+    .venv/bin/python -m benchmarks.picking            # prints
+    .venv/bin/python -m benchmarks.picking --write    # also writes the `picking-room` section of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from __future__ import annotations
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.clock import SystemClock  # noqa: E402
-from modeldock.picking.ledger import Lease  # noqa: E402
-from modeldock.types import Endpoint  # noqa: E402
-from tests.support.vllm_page import vllm_metrics_page  # noqa: E402
+from benchmarks._report import table, write_section
+from modeldock.clock import SystemClock
+from modeldock.picking.ledger import Lease
+from modeldock.types import Endpoint
+from tests.support.vllm_page import vllm_metrics_page
 
 
 def time_parse(text: str | None = None, model: str = "/models/meta-llama/Llama-3.3-70B-Instruct",
@@ -95,8 +92,8 @@ def time_bound(leases: int, finishing: bool, rounds: int = 20000) -> float:
 
     ends = sorted(((32 if i % 5 else 256), 400) for i in range(leases))
     capacity = 400.0 * leases
-    s = Signals(leases, True, 0.0, float(leases), 0.5, None, 400 * leases, capacity, 1000.0, 0, 0.0, 0.0, 0, 0.1, 0,
-                100.0, ends)
+    s = Signals(fresh=True, sample=None, running=float(leases), kv=0.5, age=0.1, in_flight=leases,
+                committed=400 * leases, ends=ends, capacity=capacity, speed=1000.0, growth=100.0)
     start = time.perf_counter()
     if finishing:
         for _ in range(rounds):
@@ -150,7 +147,7 @@ def main() -> None:
     print(body)
     if "--write" in sys.argv[1:]:
         write_section("picking-room", "Picking: the tokens rule with the output limit known",
-                      ".venv/bin/python benchmarks/picking.py --write", body)
+                      ".venv/bin/python -m benchmarks.picking --write", body)
 
 
 if __name__ == "__main__":

@@ -30,41 +30,86 @@ class Sample:
     block_size: int | None = None
 
 
-class Signals(NamedTuple):
-    """One endpoint as a scorer sees it at pick time."""
+class _SignalFields(NamedTuple):
+    """Signals' fields in their groups (`SIGNAL_GROUPS`); build `Signals` by keyword, not this."""
 
-    in_flight: int  # requests this gateway has on it now
+    # -- sample: the last page, corrected; all 0 when not fresh (but `sample`, the raw page) --
     fresh: bool  # True when the sample is younger than stale_after
-    waiting: float  # corrected estimate; 0 when not fresh
-    running: float  # corrected estimate; 0 when not fresh
-    kv: float  # from the sample, not corrected; 0 when not fresh
     sample: Sample | None  # the raw latest sample, whatever its age
-    committed: int = 0  # tokens (prompt + output limit) of this gateway's requests in flight here
-    capacity: float = 0.0  # KV capacity in tokens; 0: unknown
-    speed: float = 0.0  # tokens/second the endpoint processed while busy (its counters); 0: unknown
-    new_tokens: int = 0  # committed tokens of requests picked since the sample (not in its KV yet)
+    waiting: float = 0.0  # corrected estimate
+    running: float = 0.0  # corrected estimate
+    kv: float = 0.0  # from the sample, not corrected
     # The backend's own queue now: the sample's `waiting` less the completions since (each one lets a
-    # waiting request in); picks since are not in it. 0 when not fresh.
+    # waiting request in); picks since are not in it.
     backlog: float = 0.0
-    limit: float = 0.0  # learned batch limit: the most `running` seen while requests waited; 0: unknown
     # Committed tokens of the requests in the sample that finished since: KV the sample's `kv` still
     # counts but the backend has freed (at most: a request may have held less than its limit).
     gone_tokens: int = 0
-    age: float = 0.0  # seconds since the sample was taken (fresh only; 0 otherwise)
+    # KV the sample counts that requests finished since had held when it was read, as far as known
+    # (`Load.freed`).
+    freed: float = 0.0
+    age: float = 0.0  # seconds since the sample was taken
+    # -- counts: this gateway's requests there now --
+    in_flight: int = 0  # requests this gateway has on it now
+    committed: int = 0  # tokens (prompt + output limit) of this gateway's requests in flight here
+    new_tokens: int = 0  # committed tokens of requests picked since the sample (not in its KV yet)
     # The output limits within `new_tokens` (of the picks that said theirs): not in any cache yet.
     new_outputs: int = 0
-    # Output tokens/second while busy (vllm:generation_tokens_total): how fast the KV of the
-    # sequences running there grows; 0: unknown.
-    growth: float = 0.0
+    # -- progress: the endpoint's engine steps --
+    steps: float = 0.0  # the endpoint's engine steps counted so far (a lower bound; `Load.steps`)
     # (step by which it is done, committed tokens) of this gateway's requests there that said their
     # output limit, soonest first, on the endpoint's step count (`steps`): each is done within its
     # output limit of steps, less the steps the pages showed it running, and frees its KV then.
     ends: Sequence[tuple[float, int]] = ()
-    steps: float = 0.0  # the endpoint's engine steps counted so far (a lower bound; `Load.steps`)
-    block: int = 0  # tokens per KV block (0: unknown): each sequence may hold up to block - 1 more than its tokens
-    # KV the sample counts that requests finished since had held when it was read, as far as known
-    # (`Load.freed`); 0 when not fresh.
-    freed: float = 0.0
+    # -- rates: what the pages taught about the endpoint (0: unknown) --
+    capacity: float = 0.0  # KV capacity in tokens
+    block: int = 0  # tokens per KV block: each sequence may hold up to block - 1 more than its tokens
+    speed: float = 0.0  # tokens/second the endpoint processed while busy (its counters)
+    # Output tokens/second while busy (vllm:generation_tokens_total): how fast the KV of the
+    # sequences running there grows.
+    growth: float = 0.0
+    limit: float = 0.0  # batch limit: declared, or the most `running` seen while requests waited
+
+
+
+class Signals(_SignalFields):
+    """One endpoint as a scorer sees it at pick time; built by keyword only.
+
+    Four groups (`SIGNAL_GROUPS`): the **sample** (what the endpoint's last /metrics page said,
+    corrected for what happened since, and its age; all 0 when not fresh but `sample`, the raw
+    page), the **counts** (this gateway's requests in flight there and their tokens), the
+    **progress** (engine steps and when each request is done) and the **rates** (what the pages
+    taught about the endpoint: capacity, speeds, batch limit; 0: unknown).
+
+    Flat and a tuple underneath: one is built per candidate per pick, and `Load.signals` builds it
+    with `tuple.__new__` from the fields in their declared order (the one positional builder, next
+    to the declaration); by keyword it costs several times that, as nested groups or a dataclass
+    would (benchmarks/picking.py). `_replace` makes a changed copy.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *, fresh: bool, sample: Sample | None, waiting: float = 0.0, running: float = 0.0,
+                kv: float = 0.0, backlog: float = 0.0, gone_tokens: int = 0, freed: float = 0.0, age: float = 0.0,
+                in_flight: int = 0, committed: int = 0, new_tokens: int = 0, new_outputs: int = 0,
+                steps: float = 0.0, ends: Sequence[tuple[float, int]] = (),
+                capacity: float = 0.0, block: int = 0, speed: float = 0.0, growth: float = 0.0,
+                limit: float = 0.0) -> Signals:
+        return tuple.__new__(cls, (fresh, sample, waiting, running, kv, backlog, gone_tokens, freed, age,
+                                   in_flight, committed, new_tokens, new_outputs, steps, ends,
+                                   capacity, block, speed, growth, limit))
+
+
+SIGNAL_GROUPS: dict[str, tuple[str, ...]] = {
+    "sample": ("fresh", "sample", "waiting", "running", "kv", "backlog", "gone_tokens", "freed", "age"),
+    "counts": ("in_flight", "committed", "new_tokens", "new_outputs"),
+    "progress": ("steps", "ends"),
+    "rates": ("capacity", "block", "speed", "growth", "limit"),
+}
+
+
+# Builds `Signals` from its fields in declared order, skipping the keyword `__new__` (hot path only).
+_build = tuple.__new__
 
 
 def correct(sample: Sample, new: int, gone: int = 0) -> tuple[float, float]:
@@ -98,45 +143,58 @@ class Load:
     below it was in the sample (`gone` once it finishes).
     """
 
-    __slots__ = ("block", "capacity", "committed", "counted_at", "counter", "declared", "due", "failures", "gone",
-                 "gone_tokens", "last_pick", "leases", "new_outputs", "outputs", "drain", "ends", "generated",
-                 "freed", "growth", "learned", "limit", "mark", "new", "new_tokens", "peak", "produced", "running",
-                 "sample", "speed", "stepped", "steps", "taken_at", "whole")
+    # Grouped as `Signals` is: counts, sample, progress, rates (the attributes stay flat: `add` and
+    # `remove` run on every pick and release).
+    __slots__ = (
+        # counts: this gateway's requests here
+        "leases", "outputs", "committed", "new", "new_tokens", "new_outputs", "gone", "gone_tokens", "last_pick",
+        # sample: the last page and how it is corrected
+        "sample", "taken_at", "mark", "whole", "freed", "failures",
+        # progress: engine steps and when each request is done
+        "steps", "stepped", "peak", "due", "ends", "running",
+        # rates: what the pages teach, and the counter readings they are learned from
+        "capacity", "block", "speed", "growth", "drain", "limit", "declared", "learned", "counter", "counted_at",
+        "generated", "produced",
+    )
 
     def __init__(self) -> None:
+        # -- counts --
         self.leases: dict[int, int] = {}  # sequence number -> committed tokens, of the requests in flight here
         self.outputs: dict[int, int] = {}  # sequence number -> the output limit within them, when known
+        self.committed = 0  # sum of the leases' tokens
+        self.new = 0  # in flight and picked after `mark`
+        self.new_tokens = 0  # tokens of the leases above `mark`
         self.new_outputs = 0  # the output limits of the leases above `mark`
-        self.ends: list[tuple[float, int]] = []  # Signals.ends, kept sorted (read only outside)
-        self.due: dict[int, float] = {}  # sequence number -> the step by which it is done (its key in `ends`)
-        self.running: set[int] = set()  # of those, the ones the last page showed running
+        self.gone = 0  # in flight at the sample, finished since
+        self.gone_tokens = 0  # their committed tokens
+        self.last_pick = 0  # sequence number of the latest pick here (0: never)
+        # -- sample --
+        self.sample: Sample | None = None
+        self.taken_at = float("-inf")  # monotonic time of the sample
+        self.mark = 0  # last pick sequence number the sample reflects
+        self.whole = False  # the sample showed every request of this gateway's in flight when it was read
+        self.freed = 0.0  # what those gone that the sample showed in the batch held then (`remove`)
+        self.failures = 0  # consecutive scrape failures
+        # -- progress --
         self.steps = 0.0  # engine steps counted so far (`learn`), a lower bound
         self.stepped = 0.0  # steps between the last two pages, not counted into `steps` yet
         self.peak = 0  # the most requests in flight here since the last page
-        self.committed = 0  # sum of the leases' tokens
-        self.new_tokens = 0  # tokens of the leases above `mark`
+        self.due: dict[int, float] = {}  # sequence number -> the step by which it is done (its key in `ends`)
+        self.ends: list[tuple[float, int]] = []  # Signals.ends, kept sorted (read only outside)
+        self.running: set[int] = set()  # of those, the ones the last page showed running
+        # -- rates --
         self.capacity = 0.0  # KV capacity in tokens, once a page said it (0: unknown)
         self.block = 0  # tokens per KV block, read with the capacity (0: unknown)
         self.speed = 0.0  # tokens/second while busy, smoothed (0: unknown)
         self.growth = 0.0  # output tokens/second while busy, smoothed (0: unknown)
-        self.generated: float | None = None  # the output token counter at the last page learned from
-        self.produced: float | None = None  # the output token counter at the last page
-        self.learned: Sample | None = None  # the last page learned from (a round's, not one out of turn)
+        self.drain = 0.0  # tokens/s while full (waiting or at the batch limit at both pages), smoothed; 0: unknown
         self.limit = 0.0  # the most requests seen running while others waited (0: not seen yet)
         self.declared = 0.0  # the batch limit the config gives (models[].max_num_seqs; 0: none, learn it)
-        self.drain = 0.0  # tokens/s while full (waiting or at the batch limit at both pages), smoothed; 0: unknown
+        self.learned: Sample | None = None  # the last page learned from (a round's, not one out of turn)
         self.counter: float | None = None  # the last token counter reading and when it was taken
         self.counted_at = 0.0
-        self.sample: Sample | None = None
-        self.taken_at = float("-inf")  # monotonic time of the sample
-        self.mark = 0  # last pick sequence number the sample reflects
-        self.new = 0  # in flight and picked after `mark`
-        self.gone = 0  # in flight at the sample, finished since
-        self.gone_tokens = 0  # their committed tokens
-        self.freed = 0.0  # what those of them the sample showed in the batch held then (`remove`)
-        self.whole = False  # the sample showed every request of this gateway's in flight when it was read
-        self.last_pick = 0  # sequence number of the latest pick here (0: never)
-        self.failures = 0  # consecutive scrape failures
+        self.generated: float | None = None  # the output token counter at the last page learned from
+        self.produced: float | None = None  # the output token counter at the last page
 
     @property
     def in_flight(self) -> int:
@@ -328,12 +386,13 @@ class Load:
         in_flight = len(self.leases)
         ends = self.ends
         if sample is None or now - self.taken_at > stale_after:
-            return Signals(in_flight, False, 0.0, 0.0, 0.0, sample, self.committed, self.capacity, self.speed,
-                           self.new_tokens, 0.0, self.limit, 0, 0.0, self.new_outputs, self.growth, ends,
-                           self.steps, self.block)
+            # Positional, in the declared order (see `Signals`): this runs per candidate per pick.
+            return _build(Signals, (False, sample, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0,
+                                    in_flight, self.committed, self.new_tokens, self.new_outputs, self.steps, ends,
+                                    self.capacity, self.block, self.speed, self.growth, self.limit))
         waiting, running = correct(sample, self.new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
-        return Signals(in_flight, True, waiting, running, sample.kv, sample, self.committed, self.capacity,
-                       self.speed, self.new_tokens, backlog if backlog > 0 else 0.0, self.limit, self.gone_tokens,
-                       now - self.taken_at, self.new_outputs, self.growth, ends, self.steps,
-                       self.block, self.freed)
+        return _build(Signals, (True, sample, waiting, running, sample.kv, backlog if backlog > 0 else 0.0,
+                                self.gone_tokens, self.freed, now - self.taken_at,
+                                in_flight, self.committed, self.new_tokens, self.new_outputs, self.steps, ends,
+                                self.capacity, self.block, self.speed, self.growth, self.limit))

@@ -24,8 +24,8 @@ A, B = endpoints(2)
 def _signals(**kw: float) -> Signals:
     base = dict(in_flight=0, fresh=True, waiting=0.0, running=0.0, kv=0.0)
     base.update(kw)
-    return Signals(int(base["in_flight"]), bool(base["fresh"]), base["waiting"], base["running"], base["kv"],
-                   Sample(base["waiting"], base["running"], base["kv"]))
+    return Signals(fresh=bool(base["fresh"]), sample=Sample(base["waiting"], base["running"], base["kv"]),
+                   waiting=base["waiting"], running=base["running"], kv=base["kv"], in_flight=int(base["in_flight"]))
 
 
 def _load_case(field: str) -> Callable[[RequestScorer, float], float]:

@@ -51,11 +51,11 @@ def test_stale_score_uses_only_in_flight_plus_penalty() -> None:
     policy = Weighted(stale_penalty=0.5)
     idle_sample = Sample(waiting=0, running=0, kv=0)
     busy_sample = Sample(waiting=50, running=200, kv=1)
-    a = policy.score(Signals(8, False, 0, 0, 0, idle_sample))
-    b = policy.score(Signals(8, False, 0, 0, 0, busy_sample))
+    a = policy.score(Signals(in_flight=8, fresh=False, sample=idle_sample))
+    b = policy.score(Signals(in_flight=8, fresh=False, sample=busy_sample))
     assert a == b == pytest.approx(0.5 + 0.5 * 0.5)  # in_flight 8 is the scorer's half point
-    fresh_idle = policy.score(Signals(0, True, 0, 0, 0, idle_sample))
-    stale_idle = policy.score(Signals(0, False, 0, 0, 0, idle_sample))
+    fresh_idle = policy.score(Signals(in_flight=0, fresh=True, sample=idle_sample))
+    stale_idle = policy.score(Signals(in_flight=0, fresh=False, sample=idle_sample))
     assert fresh_idle == 0.0 and stale_idle == 0.5  # a stale "idle" is not idle
 
 

@@ -18,9 +18,11 @@ def _signals(*, running: float = 3, kv: float = 0.5, committed: int = 1500, fres
              speed: float = 400.0, age: float = 0.0, new_tokens: int = 0, waiting: float = 0.0,
              new_outputs: int = 0, growth: float = 0.0, ends: tuple[tuple[float, int], ...] = (),
              capacity: float = CAPACITY, steps: float = 0.0, block: int = 0) -> Signals:
-    return Signals(int(running + waiting), fresh, waiting if fresh else 0.0, running if fresh else 0.0,
-                   kv if fresh else 0.0, None, committed, capacity, speed, new_tokens, 0.0, 0.0, 0, age, new_outputs,
-                   growth, ends, steps, block)
+    return Signals(fresh=fresh, sample=None, waiting=waiting if fresh else 0.0, running=running if fresh else 0.0,
+                   kv=kv if fresh else 0.0, age=age,
+                   in_flight=int(running + waiting), committed=committed, new_tokens=new_tokens,
+                   new_outputs=new_outputs, steps=steps, ends=ends,
+                   capacity=capacity, block=block, speed=speed, growth=growth)
 
 
 def test_a_short_request_fits_where_the_full_limits_would_not() -> None:

@@ -15,8 +15,8 @@ ROOM = Saturation(room=True)
 
 def _signals(running: float, *, fresh: bool = True, limit: float = 4.0, capacity: float = 0.0,
              committed: int = 0, in_flight: int = 0) -> Signals:
-    return Signals(in_flight, fresh, 0.0, running if fresh else 0.0, 0.0, None, committed, capacity, 0.0, 0, 0.0,
-                   limit)
+    return Signals(fresh=fresh, sample=None, running=running if fresh else 0.0,
+                   in_flight=in_flight, committed=committed, capacity=capacity, limit=limit)
 
 
 def test_headroom_makes_the_last_slot_full_for_those_who_must_leave_it() -> None:
