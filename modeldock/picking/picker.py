@@ -1,7 +1,10 @@
 """Pick an endpoint and count it in flight in one step (no await in between).
 
-`Picker` composes the two halves: the `Ledger` (endpoints, loads, samples,
-leases) and the `Scheduler` (policy, scorers, p2c, near ties, saturation).
+`Picker` is a facade over two private halves: the `Ledger` (endpoints, loads,
+samples, leases) and the `Scheduler` (policy, scorers, p2c, near ties,
+saturation). Callers, the gateway's and the tests alike, use its methods only;
+what they may read of the halves it gives as methods too (`speed`, `committed`,
+`load`, `settings`).
 `pick` is synchronous: it scores, chooses and claims before any other
 coroutine can run, so two concurrent requests never both see the same "idle"
 endpoint. The Scraper feeds samples in through `observe`.
@@ -18,11 +21,9 @@ from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
 from modeldock.errors import Unavailable
-from modeldock.picking.affinity import PrefixAffinity
 from modeldock.picking.ledger import Lease, Ledger
 from modeldock.picking.metrics import PickerMetrics
-from modeldock.picking.policies import make_policy
-from modeldock.picking.prefix import PrefixIndex
+from modeldock.picking.policies import Weighted, make_policy
 from modeldock.picking.registry import ScorerOptions, build_scorers
 from modeldock.picking.saturation import Saturation
 from modeldock.picking.scheduler import NEAR_TIE, Scheduler
@@ -30,7 +31,22 @@ from modeldock.picking.scorers import PickRequest, RequestScorer, Scorer
 from modeldock.picking.signals import Load, Sample, Signals
 from modeldock.types import Endpoint
 
-__all__ = ["Lease", "Pick", "Picker"]
+__all__ = ["Lease", "Pick", "Picker", "PickerSettings"]
+
+
+@dataclass(frozen=True)
+class PickerSettings:
+    """How a `Picker` was built, as its halves hold it (what `build_picker` passed arrives here)."""
+
+    policy: str
+    fallbacks: int
+    stale_after: float
+    stale_penalty: float | None  # None: a policy that does not score (round_robin)
+    p2c_threshold: int
+    near_tie: float | None  # None: not `default` (no near-tie rule)
+    weights: dict[str, float]  # load scorers normalised to a sum of 1, request scorers as given
+    saturation: Saturation | None  # None: never saturates
+    request_scorers: tuple[str, ...]  # the request scorers on (`default` only), e.g. ("prefix",)
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,6 @@ class Picker:
         self._scheduler = Scheduler(self._ledger, clock, policy_impl, request_scorers=request,
                                     p2c_threshold=p2c_threshold, saturation=saturation,
                                     near_tie=near_tie if default else None, rng=rng)
-        self._affinity = self._scheduler.request_scorer("prefix")
         self._metrics = PickerMetrics(registry, policy_impl.name, self._scheduler.rows)
 
     @property
@@ -115,20 +130,18 @@ class Picker:
         return self._fallbacks
 
     @property
-    def ledger(self) -> Ledger:
-        return self._ledger
+    def settings(self) -> PickerSettings:
+        scheduler = self._scheduler
+        policy = scheduler.policy
+        return PickerSettings(
+            policy=scheduler.name, fallbacks=self._fallbacks, stale_after=self._ledger.stale_after,
+            stale_penalty=policy.stale_penalty if isinstance(policy, Weighted) else None,
+            p2c_threshold=scheduler.p2c_threshold, near_tie=scheduler.near_tie, weights=scheduler.weights,
+            saturation=scheduler.saturation, request_scorers=scheduler.request_scorer_names())
 
-    @property
-    def scheduler(self) -> Scheduler:
-        return self._scheduler
-
-    @property
-    def _loads(self) -> dict[Endpoint, Load]:  # for tests that look inside
-        return self._ledger.loads
-
-    @property
-    def _prefix(self) -> PrefixIndex | None:  # for tests that look inside
-        return self._affinity.index if isinstance(self._affinity, PrefixAffinity) else None
+    def request_scorer(self, name: str) -> RequestScorer | None:
+        """The request scorer of that name when it is on (None otherwise)."""
+        return self._scheduler.request_scorer(name)
 
     # -- endpoints and samples (the ledger's) -----------------------------
 
@@ -175,6 +188,22 @@ class Picker:
     def total_committed(self) -> int:
         """Tokens committed by every request in flight."""
         return self._ledger.total_committed()
+
+    def committed(self, endpoint: Endpoint) -> int:
+        """Tokens committed by the requests in flight on `endpoint`."""
+        return self._ledger.committed(endpoint)
+
+    def speed(self, model: str) -> float:
+        """How fast a queue of `model` drains, tokens/s: `max(drain, speed)` summed over its endpoints."""
+        return self._ledger.speed(model)
+
+    def load(self, endpoint: Endpoint) -> Load:
+        """The endpoint's ledger entry, to read only (diagnostics and tests; an empty one if untracked)."""
+        return self._ledger.load(endpoint)
+
+    def loads(self) -> Mapping[Endpoint, Load]:
+        """Every tracked endpoint's ledger entry, to read only."""
+        return self._ledger.tracked()
 
     def add_room_listener(self, listener: Callable[[str], None]) -> None:
         """`listener(model)` hears, synchronously, that room may have appeared for `model`: a

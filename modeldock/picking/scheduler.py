@@ -95,6 +95,9 @@ class Scheduler:
     def request_scorer(self, name: str) -> RequestScorer | None:
         return next((s for s, _ in self._request_scorers if s.name == name), None)
 
+    def request_scorer_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s, _ in self._request_scorers)
+
     def score(self, endpoint: Endpoint) -> float | None:
         """The endpoint's load score now (lower is better); None for round_robin."""
         if isinstance(self.policy, RoundRobin):

@@ -42,7 +42,7 @@ class Rig(GatewayRig):
 
     def committed(self) -> int:
         """Tokens committed on the model's endpoints by requests in flight."""
-        return self.picker.ledger.total_committed()
+        return self.picker.total_committed()
 
 
 async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
@@ -121,10 +121,10 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     rig.gateway.on_endpoints("m", (EP, OTHER))
     before = rig.committed()
     assert a.lease.move_to(OTHER.address) and rig.committed() == before
-    assert rig.picker.ledger.committed(OTHER) == before
-    outputs = {ep: sum(load.outputs.values()) for ep, load in rig.picker.ledger.tracked().items()}
+    assert rig.picker.committed(OTHER) == before
+    outputs = {ep: sum(load.outputs.values()) for ep, load in rig.picker.loads().items()}
     assert outputs == {EP: 0, OTHER: a.lease.output} and a.lease.output == 90  # its output limit moved too
-    ends = {ep: list(load.ends) for ep, load in rig.picker.ledger.tracked().items()}
+    ends = {ep: list(load.ends) for ep, load in rig.picker.loads().items()}
     assert ends == {EP: [], OTHER: [(a.lease.output, a.lease.tokens)]}  # and its entry for the tokens rule
     # Ended, twice (idempotent).
     a.release()
@@ -132,7 +132,7 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     assert rig.committed() == 0
     assert rig.picker.total_in_flight() == 0
     assert all(not load.outputs and load.new_outputs == 0 and not load.ends and not load.due and not load.running
-               for load in rig.picker.ledger.tracked().values())
+               for load in rig.picker.loads().values())
 
 
 async def test_a_protected_request_already_queued_passes_a_head_over_its_share() -> None:
@@ -194,4 +194,4 @@ def test_the_models_declared_batch_limit_reaches_the_picker() -> None:
     rig = GatewayRig(data, (EP, OTHER))
     picker = rig.picker
     picker.observe(EP, Sample(0.0, 0.0, 0.1), rig.clock.monotonic())  # no queue ever seen
-    assert picker.ledger.load(EP).limit == 3
+    assert picker.load(EP).limit == 3

@@ -130,7 +130,7 @@ async def test_the_drain_budget_sheds_once_the_oldest_has_waited_half_of_max_wai
     for total in (0.0, 100.0):  # busy at 100 tokens/s: 100 tokens drain within max_wait
         rig.picker.observe(EP, Sample(0.0, 1.0, 0.0, capacity=1000.0, tokens_total=total), rig.clock.monotonic())
         rig.clock.advance(1.0)
-    assert rig.picker.ledger.speed("m") == pytest.approx(100)
+    assert rig.picker.speed("m") == pytest.approx(100)
     first = await rig.route(890)  # 900 of 1000 tokens
     second = rig.route(490)  # 500: waits
     await settle()

@@ -29,11 +29,12 @@ def test_routing_values_arrive(stale_after: float, p2c: int, fallbacks: int) -> 
     clock = FakeClock()
     picker = build_picker(config.routing, clock, None, rng=random.Random(1))
     assert picker.fallbacks == fallbacks and picker.policy == "default"
-    assert picker.ledger.stale_after == stale_after
-    assert picker.scheduler.p2c_threshold == p2c
-    assert picker.scheduler.weights == {"queue": 0.5, "kv": 0.5, "prefix": 0.1}
-    assert picker.scheduler.policy.stale_penalty == 0.3  # type: ignore[union-attr]
-    sat = picker.scheduler.saturation
+    settings = picker.settings
+    assert settings.stale_after == stale_after
+    assert settings.p2c_threshold == p2c
+    assert settings.weights == {"queue": 0.5, "kv": 0.5, "prefix": 0.1}
+    assert settings.stale_penalty == 0.3
+    sat = settings.saturation
     assert sat is not None and (sat.max_waiting, sat.max_kv, sat.reject, sat.retry_after_seconds) == (
         7, None, "unavailable", 3)
 
@@ -59,16 +60,16 @@ def test_default_weights_arrive_and_prefix_is_on() -> None:
     picker = build_picker(parse_config(_config({})).routing, FakeClock(), None)
     total = sum(w for name, w in DEFAULT_WEIGHTS.items() if name != "prefix")
     want = {name: (w if name == "prefix" else w / total) for name, w in DEFAULT_WEIGHTS.items() if w > 0}
-    assert picker.scheduler.weights == pytest.approx(want)
-    assert picker.scheduler.request_scorer("prefix") is not None
-    assert picker.scheduler.near_tie == 0.06
+    assert picker.settings.weights == pytest.approx(want)
+    assert picker.request_scorer("prefix") is not None
+    assert picker.settings.near_tie == 0.06 and picker.settings.request_scorers == ("prefix",)
 
 
 def test_prefix_zero_turns_affinity_off_and_other_policies_have_none() -> None:
     off = build_picker(parse_config(_config({"weights": {"prefix": 0}})).routing, FakeClock(), None)
-    assert off.scheduler.request_scorer("prefix") is None
+    assert off.request_scorer("prefix") is None
     least = build_picker(parse_config(_config({"policy": "least_request"})).routing, FakeClock(), None)
-    assert least.policy == "least_request" and least.scheduler.weights == {} and least.scheduler.near_tie is None
+    assert least.policy == "least_request" and least.settings.weights == {} and least.settings.near_tie is None
 
 
 @pytest.mark.parametrize(("weights", "reason"), [({"latency": 1}, "unknown scorer"), ({"kv": -1}, ">= 0"),
@@ -77,3 +78,9 @@ def test_prefix_zero_turns_affinity_off_and_other_policies_have_none() -> None:
 def test_bad_weights_are_config_errors_naming_the_field(weights: dict[str, float], reason: str) -> None:
     with pytest.raises(ConfigError, match=rf"routing\.weights: .*{reason}"):
         parse_config(_config({"weights": weights}))
+
+
+def test_the_picker_is_a_facade_over_private_halves() -> None:
+    picker = build_picker(parse_config(_config({})).routing, FakeClock(), None)
+    assert not hasattr(picker, "ledger") and not hasattr(picker, "scheduler")
+    assert picker.settings.policy == picker.policy == "default" and picker.settings.fallbacks == picker.fallbacks

@@ -59,7 +59,7 @@ def test_steps_count_only_for_requests_the_pages_showed_running(make_picker: Mak
     assert sorted(_left(picker.signals(a))) == [12, 86]
     short.lease.release()
     long.lease.release()
-    load = picker.ledger.load(a)
+    load = picker.load(a)
     assert not load.ends and not load.due and not load.running
 
 

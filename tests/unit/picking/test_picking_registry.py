@@ -117,7 +117,7 @@ def test_a_stale_sample_is_never_read_as_idle(name: str) -> None:
     clock.advance(5.0)
     observe(picker, clock, fresh)
     if not SCORERS[name].load:
-        scorer = picker.scheduler.request_scorer(name)
+        scorer = picker.request_scorer(name)
         assert isinstance(scorer, PrefixAffinity)
         for ep in (stale, fresh):
             scorer.picked(PickRequest("m", BLOCKS), ep)

@@ -49,10 +49,10 @@ def test_the_batch_limit_is_learned_from_a_lasting_queue(make_picker: MakePicker
     picker.set_endpoints("m", [a])
     _see(picker, clock, a, waiting=3, running=1)  # a queue caught between arrival and the next step
     _see(picker, clock, a, waiting=0, running=1)
-    assert picker.ledger.load(a).limit == 0  # one page with a queue teaches nothing
+    assert picker.load(a).limit == 0  # one page with a queue teaches nothing
     _see(picker, clock, a, waiting=2, running=4)
     _see(picker, clock, a, waiting=1, running=4)
-    assert picker.ledger.load(a).limit == 4
+    assert picker.load(a).limit == 4
     _see(picker, clock, a, waiting=0, running=2)  # room for two more, and no more between samples
     picker.pick("m")
     picker.pick("m")
@@ -80,12 +80,12 @@ def test_drain_rate_is_learned_only_while_full(make_picker: MakePicker, clock: F
     _see(picker, clock, a, waiting=0, running=1, total=0)
     clock.advance(1.0)
     _see(picker, clock, a, waiting=0, running=1, total=100)  # busy, not full: 100 tokens/s
-    assert picker.ledger.load(a).drain == 0 and picker.ledger.speed("m") == pytest.approx(100)
+    assert picker.load(a).drain == 0 and picker.speed("m") == pytest.approx(100)
     _see(picker, clock, a, waiting=2, running=4, total=100)
     clock.advance(1.0)
     _see(picker, clock, a, waiting=2, running=4, total=1100)  # full all along: 1000 tokens/s
-    assert picker.ledger.load(a).drain == pytest.approx(1000)
-    assert picker.ledger.speed("m") == pytest.approx(1000)  # b has learned nothing: adds nothing
+    assert picker.load(a).drain == pytest.approx(1000)
+    assert picker.speed("m") == pytest.approx(1000)  # b has learned nothing: adds nothing
 
 
 def test_a_backend_at_its_declared_batch_limit_is_full_for_the_drain_rate(
@@ -98,18 +98,18 @@ def test_a_backend_at_its_declared_batch_limit_is_full_for_the_drain_rate(
     _see(picker, clock, a, waiting=0, running=4, total=0)
     clock.advance(1.0)
     _see(picker, clock, a, waiting=0, running=3, total=300)  # not at the limit at this page
-    assert picker.ledger.load(a).drain == 0
+    assert picker.load(a).drain == 0
     clock.advance(1.0)
     _see(picker, clock, a, waiting=0, running=4, total=1300)
     clock.advance(1.0)
     _see(picker, clock, a, waiting=0, running=4, total=2500)  # at the limit at both: 1200 tokens/s
-    assert picker.ledger.load(a).drain == pytest.approx(1200)
+    assert picker.load(a).drain == pytest.approx(1200)
     # The load drops: its speed reads low, the rate a queue drains at stays.
     for total in (2700, 2800, 2900):
         clock.advance(1.0)
         _see(picker, clock, a, waiting=0, running=1, total=total)
-    assert picker.ledger.load(a).speed < 500
-    assert picker.ledger.speed("m") == pytest.approx(1200)
+    assert picker.load(a).speed < 500
+    assert picker.speed("m") == pytest.approx(1200)
 
 
 def test_a_restart_forgets_the_limit(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -118,9 +118,9 @@ def test_a_restart_forgets_the_limit(make_picker: MakePicker, clock: FakeClock) 
     picker.set_endpoints("m", [a])
     _see(picker, clock, a, waiting=1, running=4, total=500)
     _see(picker, clock, a, waiting=1, running=4, total=600)
-    assert picker.ledger.load(a).limit == 4
+    assert picker.load(a).limit == 4
     _see(picker, clock, a, waiting=0, running=0, total=10)  # the counter went back: restarted
-    assert picker.ledger.load(a).limit == 0
+    assert picker.load(a).limit == 0
 
 
 def test_a_queue_waiting_for_memory_teaches_no_batch_limit(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -129,10 +129,10 @@ def test_a_queue_waiting_for_memory_teaches_no_batch_limit(make_picker: MakePick
     picker.set_endpoints("m", [a])
     for kv in (0.95, 0.97):  # two long generations fill the cache; the next request waits for memory
         picker.observe(a, Sample(waiting=1, running=2, kv=kv, capacity=1000.0), clock.monotonic())
-    assert picker.ledger.load(a).limit == 0  # a slot limit of 2 would hold short requests later for good
+    assert picker.load(a).limit == 0  # a slot limit of 2 would hold short requests later for good
     picker.observe(a, Sample(waiting=1, running=3, kv=0.4, capacity=1000.0), clock.monotonic())
     picker.observe(a, Sample(waiting=2, running=3, kv=0.5, capacity=1000.0), clock.monotonic())
-    assert picker.ledger.load(a).limit == 3  # waiting with room in the cache: the slots are full
+    assert picker.load(a).limit == 3  # waiting with room in the cache: the slots are full
 
 
 def test_running_above_the_learned_limit_raises_it(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -141,9 +141,9 @@ def test_running_above_the_learned_limit_raises_it(make_picker: MakePicker, cloc
     picker.set_endpoints("m", [a])
     _see(picker, clock, a, waiting=1, running=2)
     _see(picker, clock, a, waiting=1, running=2)
-    assert picker.ledger.load(a).limit == 2
+    assert picker.load(a).limit == 2
     _see(picker, clock, a, waiting=0, running=3)  # another gateway's requests: three fit after all
-    assert picker.ledger.load(a).limit == 3
+    assert picker.load(a).limit == 3
 
 
 def test_a_declared_batch_limit_holds_from_the_first_pick(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -173,9 +173,9 @@ def test_a_restart_returns_to_the_declared_limit(make_picker: MakePicker, clock:
     (a,) = endpoints(1)
     picker.set_endpoints("m", [a], max_num_seqs=3)
     _see(picker, clock, a, waiting=0, running=5, total=500)  # another gateway's requests: five run
-    assert picker.ledger.load(a).limit == 5
+    assert picker.load(a).limit == 5
     _see(picker, clock, a, waiting=0, running=0, total=10)  # restarted
-    assert picker.ledger.load(a).limit == 3
+    assert picker.load(a).limit == 3
 
 
 def test_the_declared_limit_follows_the_config(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -185,8 +185,8 @@ def test_the_declared_limit_follows_the_config(make_picker: MakePicker, clock: F
     picker.set_endpoints("n", [a, b], max_num_seqs=6)  # shared by two models: the larger one
     _see(picker, clock, a, waiting=0, running=0)
     _see(picker, clock, b, waiting=0, running=0)
-    assert picker.ledger.load(a).limit == 6 and picker.ledger.load(b).limit == 6
+    assert picker.load(a).limit == 6 and picker.load(b).limit == 6
     picker.set_endpoints("n", [b])
-    assert picker.ledger.load(a).limit == 4
+    assert picker.load(a).limit == 4
     picker.set_endpoints("m", [a])  # no longer declared: learned again from nothing
-    assert picker.ledger.load(a).limit == 0
+    assert picker.load(a).limit == 0

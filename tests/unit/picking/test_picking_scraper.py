@@ -165,11 +165,11 @@ async def test_a_request_ending_reads_its_endpoint_again_out_of_turn(servers: li
         picker.add_release_listener(scraper.refresh)
         await _until(lambda: first.requests == 1 and second.requests == 1)
         await asyncio.sleep(0.25)  # past the gap since the round's read
-        taken = picker.ledger.load(first.endpoint).taken_at
+        taken = picker.load(first.endpoint).taken_at
         pick = picker.pick("llama", subset=frozenset({first.endpoint}))
         pick.lease.release()
         await _until(lambda: first.requests == 2)
-        await _until(lambda: picker.ledger.load(first.endpoint).taken_at > taken)
+        await _until(lambda: picker.load(first.endpoint).taken_at > taken)
         # Within the gap of that read, another ending reads nothing; the other endpoint was never read again.
         again = picker.pick("llama", subset=frozenset({first.endpoint}))
         again.lease.release()

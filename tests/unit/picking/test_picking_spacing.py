@@ -293,7 +293,7 @@ def test_new_and_gone_stay_consistent(ops: list[tuple[str, int]], seed: int) -> 
             picker.observe(ep, Sample(0, 2, 0.1), clock.monotonic(), in_flight_at=at_arrival[ep])
         clock.advance(0.01)
         for p in pool:
-            load = picker._loads.get(p)
+            load = picker.loads().get(p)
             if load is not None:
                 assert 0 <= load.new <= load.in_flight
                 assert load.gone >= 0

@@ -49,18 +49,17 @@ def test_claim_move_and_release_carry_tokens_exactly_once(make_picker: MakePicke
     picker.set_endpoints("m", [a, b])
     first = picker.pick("m", cost=300)
     second = picker.pick("m", cost=50)
-    ledger = picker.ledger
-    assert ledger.total_committed() == 350
-    assert {ledger.committed(a), ledger.committed(b)} == {300, 50}
+    assert picker.total_committed() == 350
+    assert {picker.committed(a), picker.committed(b)} == {300, 50}
     other = b if first.primary == a else a
     assert first.lease.move_to(other.address)
-    assert ledger.committed(first.primary) == 0 and ledger.committed(other) == 350
+    assert picker.committed(first.primary) == 0 and picker.committed(other) == 350
     assert not first.lease.move_to(other.address)  # already there: nothing moves
     first.lease.release()
     first.lease.release()  # idempotent
-    assert ledger.total_committed() == 50 and ledger.committed(other) == 50
+    assert picker.total_committed() == 50 and picker.committed(other) == 50
     second.lease.release()
-    assert ledger.total_committed() == 0 and picker.total_in_flight() == 0
+    assert picker.total_committed() == 0 and picker.total_in_flight() == 0
 
 
 def test_tokens_sent_since_the_sample_are_new_until_the_next_one(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -166,7 +165,7 @@ def test_room_saturation_by_committed_tokens(make_picker: MakePicker, clock: Fak
     with pytest.raises(Saturated):
         picker.pick("m", cost=401)
     second = picker.pick("m", cost=400)  # exactly fits
-    assert picker.ledger.committed(a) == 1000
+    assert picker.committed(a) == 1000
     clock.advance(10)  # stale: the local tokens still say full
     with pytest.raises(Saturated):
         picker.pick("m", cost=1)
@@ -268,9 +267,9 @@ def test_random_claims_and_releases_keep_tokens_exact() -> None:
             held.append((picker.pick("m", cost=cost).lease, cost))
         if rng.random() < 0.1:
             observe(picker, clock, rng.choice(eps), running=rng.randint(0, 5))
-        assert picker.ledger.total_committed() == sum(c for _, c in held)
+        assert picker.total_committed() == sum(c for _, c in held)
         for ep in eps:
-            assert picker.ledger.committed(ep) == sum(c for lease, c in held if lease.endpoint == ep)
+            assert picker.committed(ep) == sum(c for lease, c in held if lease.endpoint == ep)
     for lease, _ in held:
         lease.release()
-    assert picker.ledger.total_committed() == 0
+    assert picker.total_committed() == 0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from modeldock.clock import FakeClock
 from modeldock.picking import Picker
+from modeldock.picking.affinity import PrefixAffinity
 from modeldock.picking.prefix import BLOCK_CHARS, MAX_BLOCKS, OWNERS_PER_BLOCK, PrefixIndex, prompt_blocks
 from modeldock.picking.signals import Sample
 from modeldock.types import Endpoint
@@ -175,7 +176,8 @@ def test_endpoints_leaving_the_snapshot_are_forgotten() -> None:
     pick = p.pick("m", blocks)
     pick.lease.release()
     p.set_endpoints("m", tuple(ep for ep in (A, B, C, D) if ep != pick.primary))
-    assert p._prefix is not None and p._prefix.matched(blocks, [pick.primary]) == {}
+    affinity = p.request_scorer("prefix")
+    assert isinstance(affinity, PrefixAffinity) and affinity.index.matched(blocks, [pick.primary]) == {}
 
 
 def test_a_prefix_every_request_shares_spreads_over_all_endpoints() -> None:

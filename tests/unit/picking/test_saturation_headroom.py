@@ -67,10 +67,10 @@ def test_picker_refuses_a_request_that_must_leave_headroom_and_serves_a_protecte
     with pytest.raises(Saturated):
         picker.pick("m", cost=10, headroom=1)  # refused: counts nothing
     last = picker.pick("m", cost=10)  # protected: takes the last slot
-    assert picker.ledger.committed(ep) == 20 and picker.total_in_flight() == 2
+    assert picker.committed(ep) == 20 and picker.total_in_flight() == 2
     first.lease.release()
     last.lease.release()
-    assert picker.ledger.committed(ep) == picker.total_in_flight() == 0
+    assert picker.committed(ep) == picker.total_in_flight() == 0
 
 
 def test_token_headroom_applies_before_the_batch_limit_is_learned() -> None:
@@ -103,8 +103,8 @@ def test_kv_freed_by_requests_finished_since_the_sample_is_not_counted_as_full()
     with pytest.raises(Saturated):  # waiting at a KV >= 90%: vLLM queues for memory
         picker.pick("m", cost=50)
     leases[0].release()  # finished since the sample: its 400 tokens are free again
-    assert picker.ledger.signals(ep).gone_tokens == 400
+    assert picker.signals(ep).gone_tokens == 400
     assert picker.pick("m", cost=50).primary == ep
     # A new sample starts the count over.
     picker.observe(ep, Sample(0.0, 3.0, 0.5, capacity=1000.0), clock.monotonic())
-    assert picker.ledger.signals(ep).gone_tokens == 0
+    assert picker.signals(ep).gone_tokens == 0
