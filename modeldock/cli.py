@@ -8,6 +8,7 @@ import getpass
 import logging
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from modeldock import __version__
 from modeldock.config import ConfigError, hash_key, load_config
@@ -182,17 +183,37 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("path")
     cc.set_defaults(func=cmd_config_check)
 
-    for name, module, text in (("sim", "modeldock.sim.cli", "run a simulated vLLM backend"),
-                               ("bench", "modeldock.bench.cli", "benchmark an OpenAI-compatible endpoint"),
-                               ("usage", "modeldock.usage.cli", "per-tenant usage totals from usage record files")):
+    for name, load, text in (("sim", _sim_cli, "run a simulated vLLM backend"),
+                             ("bench", _bench_cli, "benchmark an OpenAI-compatible endpoint"),
+                             ("usage", _usage_cli, "per-tenant usage totals from usage record files")):
         try:
-            mod = __import__(module, fromlist=["add_arguments", "run"])
+            mod = load()
         except ImportError:
             continue
         p = sub.add_parser(name, help=text, description=text)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
     return parser
+
+
+# Subcommands with modules of their own, imported by name (not from strings) so that the import-graph
+# test sees them; one whose dependencies are missing is left out of the parser.
+def _sim_cli() -> ModuleType:
+    from modeldock.sim import cli
+
+    return cli
+
+
+def _bench_cli() -> ModuleType:
+    from modeldock.bench import cli
+
+    return cli
+
+
+def _usage_cli() -> ModuleType:
+    from modeldock.usage import cli
+
+    return cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ Static: `ast` over every module, so nothing is imported to find what imports wha
   modules of the package at run time; a package with a lazy or docstring-only `__init__` loads nothing more.
   A module's own ancestors are skipped: Python has started them before the module runs.
 
-Not seen: `importlib.import_module` with a computed name (picking's lazy `__init__` mirrors each of its
-lazy loads under TYPE_CHECKING, so those are counted).
+Not seen: `__import__` and `importlib.import_module`, whose names are computed; `hidden_imports` finds
+every such call, and the only ones allowed are a package `__init__`'s PEP 562 `__getattr__` (picking's and
+usage's), which mirrors each of its lazy loads under TYPE_CHECKING, so those are counted.
 """
 
 from __future__ import annotations
@@ -174,6 +175,27 @@ def import_edges(package_dir: Path) -> list[Edge]:
             if package in loading and not own_ancestor:
                 implicit.append(Edge(edge.source, package, edge.line, "package-init"))
     return sorted(set(direct + implicit), key=lambda e: (e.source, e.target, e.line, e.kind))
+
+
+def hidden_imports(package_dir: Path) -> list[str]:
+    """Imports by computed name (`__import__`, `import_module`), which the walk cannot see. The one place
+    allowed is a package `__init__`'s PEP 562 `__getattr__`, which mirrors its loads under TYPE_CHECKING."""
+    found: list[str] = []
+    for name, path in module_names(package_dir).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        allowed: set[int] = set()
+        if path.name == "__init__.py":
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                    allowed |= {id(inner) for inner in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or id(node) in allowed:
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if called in {"__import__", "import_module"}:
+                found.append(f"{name} line {node.lineno}: {called}(...)")
+    return found
 
 
 def strongly_connected(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> list[list[str]]:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from import_graph import Edge, Floors, check, import_edges, parse_floors
+from import_graph import Edge, Floors, check, hidden_imports, import_edges, parse_floors
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "modeldock"
@@ -157,6 +157,23 @@ def test_a_module_without_a_floor_and_a_unit_without_modules_fail(tmp_path: Path
     report = check(package, _floors())
     assert report.unplaced == ["pkg.new"]
     assert report.empty_units == ["app"]
+
+
+def test_imports_by_computed_name_are_found_outside_a_lazy_package_init(tmp_path: Path) -> None:
+    package = _write(tmp_path, {
+        "pkg/__init__.py": "from importlib import import_module\ndef __getattr__(n: str) -> object:\n"
+                           "    return import_module(f'pkg.{n}')\n",
+        "pkg/app.py": "import importlib\ndef f() -> None:\n    __import__('pkg.base')\n"
+                      "    importlib.import_module('pkg.base')\n",
+        "pkg/base.py": "def __getattr__(n: str) -> object:\n    return __import__(n)\n",  # not a package
+    })
+    assert hidden_imports(package) == [
+        "pkg.app line 3: __import__(...)", "pkg.app line 4: import_module(...)", "pkg.base line 2: __import__(...)",
+    ]
+
+
+def test_modeldock_imports_nothing_by_computed_name() -> None:
+    assert hidden_imports(PACKAGE) == []
 
 
 def _tolerated(edge: Edge, why: str, floors: Floors) -> bool:
