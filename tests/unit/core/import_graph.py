@@ -185,9 +185,9 @@ def hidden_imports(package_dir: Path) -> list[str]:
         tree = ast.parse(path.read_text(), filename=str(path))
         allowed: set[int] = set()
         if path.name == "__init__.py":
-            for node in tree.body:
-                if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-                    allowed |= {id(inner) for inner in ast.walk(node)}
+            for statement in tree.body:
+                if isinstance(statement, ast.FunctionDef) and statement.name == "__getattr__":
+                    allowed |= {id(inner) for inner in ast.walk(statement)}
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call) or id(node) in allowed:
                 continue

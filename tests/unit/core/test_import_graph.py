@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from import_graph import Edge, Floors, check, hidden_imports, import_edges, parse_floors
+from import_graph import Edge, Floors, Report, check, hidden_imports, import_edges, parse_floors
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "modeldock"
@@ -184,19 +184,28 @@ def _tolerated(edge: Edge, why: str, floors: Floors) -> bool:
     return (floors.unit_of(edge.source), floors.unit_of(edge.target)) in ALLOWED_FOR_NOW
 
 
-def test_modeldock_has_true_floors() -> None:
-    floors = parse_floors(DOC.read_text(), "modeldock")
-    report = check(PACKAGE, floors)
+@pytest.fixture(scope="module")
+def modeldock_floors() -> Floors:
+    return parse_floors(DOC.read_text(), "modeldock")
+
+
+@pytest.fixture(scope="module")
+def modeldock_report(modeldock_floors: Floors) -> Report:
+    return check(PACKAGE, modeldock_floors)
+
+
+def test_modeldock_has_true_floors(modeldock_floors: Floors, modeldock_report: Report) -> None:
+    floors, report = modeldock_floors, modeldock_report
     crossings = [(e, why) for e, why in report.crossings if not _tolerated(e, why, floors)]
     cycles = [c for c in report.module_cycles if tuple(c) not in CYCLES_FOR_NOW]
-    new = type(report)(report.unplaced, report.empty_units, crossings, cycles, report.unit_cycles)
+    new = Report(report.unplaced, report.empty_units, crossings, cycles, report.unit_cycles)
     problems = list(new.lines())
     assert problems == [], "import graph against docs/architecture.md:\n" + "\n".join(problems)
 
 
-def test_importing_the_schema_loads_nothing_above_it() -> None:
+def test_importing_the_schema_loads_nothing_above_it(modeldock_floors: Floors) -> None:
     # The run-time view of the same rule, which also sees loads the static walk cannot (import_module).
-    floors = parse_floors(DOC.read_text(), "modeldock")
+    floors = modeldock_floors
     code = "import sys, modeldock.config; print(' '.join(m for m in sys.modules if m.startswith('modeldock')))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -209,9 +218,8 @@ def test_importing_the_schema_loads_nothing_above_it() -> None:
     assert above == [], f"import modeldock.config loads {above}"
 
 
-def test_the_for_now_lists_hold_only_live_violations() -> None:
-    floors = parse_floors(DOC.read_text(), "modeldock")
-    report = check(PACKAGE, floors)
+def test_the_for_now_lists_hold_only_live_violations(modeldock_floors: Floors, modeldock_report: Report) -> None:
+    floors, report = modeldock_floors, modeldock_report
     live = {(floors.unit_of(e.source), floors.unit_of(e.target)) for e, _ in report.crossings}
     stale = [f"{pair} ({owner})" for pair, owner in ALLOWED_FOR_NOW.items() if pair not in live]
     stale += [f"{cycle} ({owner})" for cycle, owner in CYCLES_FOR_NOW.items()
