@@ -1,16 +1,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
-from picking_helpers import endpoints, observe
+from picking_helpers import MakePicker, Pool, endpoints, observe
 
 from modeldock.clock import FakeClock
-from modeldock.picking import Picker, Sample
+from modeldock.picking import Sample
 from modeldock.picking.signals import correct
-
-MakePicker = Callable[..., Picker]
 
 
 def test_sample_goes_stale_after_the_limit(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -27,10 +24,8 @@ def test_sample_goes_stale_after_the_limit(make_picker: MakePicker, clock: FakeC
     assert stale.sample == Sample(3, 4, 0.5)  # kept, just not trusted
 
 
-def test_stale_idle_is_not_mistaken_for_idle(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    stale_idle, fresh_idle = endpoints(2)
-    picker.set_endpoints("m", [stale_idle, fresh_idle])
+def test_stale_idle_is_not_mistaken_for_idle(pool: Pool, clock: FakeClock) -> None:
+    picker, (stale_idle, fresh_idle) = pool(2)
     observe(picker, clock, stale_idle)  # says idle ...
     clock.advance(5)  # ... but long ago
     observe(picker, clock, fresh_idle)
@@ -39,10 +34,8 @@ def test_stale_idle_is_not_mistaken_for_idle(make_picker: MakePicker, clock: Fak
     assert picker.pick("m").primary == fresh_idle
 
 
-def test_stale_endpoints_share_picks_instead_of_chasing(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    eps = endpoints(3)
-    picker.set_endpoints("m", eps)
+def test_stale_endpoints_share_picks_instead_of_chasing(pool: Pool, clock: FakeClock) -> None:
+    picker, eps = pool(3)
     observe(picker, clock, eps[0], waiting=0, running=0, kv=0.0)  # "idle" when last seen
     observe(picker, clock, eps[1], waiting=40, running=100, kv=0.9)
     observe(picker, clock, eps[2], waiting=40, running=100, kv=0.9)
@@ -51,11 +44,9 @@ def test_stale_endpoints_share_picks_instead_of_chasing(make_picker: MakePicker,
     assert chosen == {eps[0]: 10, eps[1]: 10, eps[2]: 10}
 
 
-def test_seed_policy_chases_the_stale_idle_endpoint(make_picker: MakePicker, clock: FakeClock) -> None:
+def test_seed_policy_chases_the_stale_idle_endpoint(pool: Pool, clock: FakeClock) -> None:
     # The failure mode the default policy avoids, kept visible for comparison.
-    picker = make_picker(policy="seed")
-    eps = endpoints(2)
-    picker.set_endpoints("m", eps)
+    picker, eps = pool(2, policy="seed")
     observe(picker, clock, eps[0])
     observe(picker, clock, eps[1], waiting=10, running=50, kv=0.9)
     clock.advance(10)
@@ -63,10 +54,8 @@ def test_seed_policy_chases_the_stale_idle_endpoint(make_picker: MakePicker, clo
     assert chosen[eps[0]] == 30
 
 
-def test_fresh_busy_vs_stale_split_a_burst(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    fresh, stale = endpoints(2)
-    picker.set_endpoints("m", [fresh, stale])
+def test_fresh_busy_vs_stale_split_a_burst(pool: Pool, clock: FakeClock) -> None:
+    picker, (fresh, stale) = pool(2)
     observe(picker, clock, stale)
     clock.advance(3)
     observe(picker, clock, fresh, waiting=1, running=10, kv=0.3)
@@ -116,12 +105,8 @@ def test_correction_drains_running_then_queue() -> None:
     assert correct(sample, -10) == (0, 0)
 
 
-def test_correction_stops_a_burst_from_piling_on(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
-    observe(picker, clock, a, waiting=0, running=10, kv=0.3)
-    observe(picker, clock, b, waiting=2, running=10, kv=0.3)
+def test_correction_stops_a_burst_from_piling_on(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, (0, 10, 0.3), (2, 10, 0.3))
     chosen = [picker.pick("m").primary for _ in range(8)]  # no scrape in between
     assert chosen[0] == a
     assert chosen.count(b) >= 3  # once a's estimated queue passes b's, b takes turns

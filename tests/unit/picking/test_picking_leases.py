@@ -1,18 +1,15 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from picking_helpers import endpoints
+from picking_helpers import MakePicker, Pool, endpoints
 
 from modeldock.clock import FakeClock
 from modeldock.errors import Unavailable
 from modeldock.picking import Lease, Picker
-
-MakePicker = Callable[..., Picker]
 
 
 def test_no_endpoints_is_unavailable(make_picker: MakePicker) -> None:
@@ -26,10 +23,8 @@ def test_no_endpoints_is_unavailable(make_picker: MakePicker) -> None:
     assert picker.endpoints("m") == ()
 
 
-def test_move_and_release(make_picker: MakePicker) -> None:
-    picker = make_picker(policy="round_robin")
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_move_and_release(pool: Pool) -> None:
+    picker, (a, b) = pool(2, policy="round_robin")
     lease = picker.pick("m").lease
     assert lease.endpoint == a and picker.in_flight(a) == 1
     lease.move_to(b.address)

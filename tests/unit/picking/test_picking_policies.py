@@ -1,18 +1,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
-from picking_helpers import endpoints, observe
+from picking_helpers import MakePicker, Pool, endpoints, observe
 
 from modeldock.clock import FakeClock
 from modeldock.picking import Picker
 from modeldock.picking.scorers import Scorer
 from modeldock.picking.signals import Signals
 from modeldock.types import Endpoint
-
-MakePicker = Callable[..., Picker]
 
 
 def test_default_prefers_short_queue_at_equal_in_flight(make_picker: MakePicker, clock: FakeClock) -> None:
@@ -29,20 +26,13 @@ def test_default_prefers_short_queue_at_equal_in_flight(make_picker: MakePicker,
         pick.lease.release()
 
 
-def test_default_weighs_kv_without_adding_it_to_counts(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    full, roomy = endpoints(2)
-    picker.set_endpoints("m", [full, roomy])
-    observe(picker, clock, full, waiting=0, running=10, kv=0.97)
-    observe(picker, clock, roomy, waiting=0, running=10, kv=0.20)
+def test_default_weighs_kv_without_adding_it_to_counts(pool: Pool, clock: FakeClock) -> None:
+    picker, (full, roomy) = pool(2, (0, 10, 0.97), (0, 10, 0.20))
     assert picker.pick("m").primary == roomy
 
 
-def test_seed_formula_values(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(policy="seed")
-    a, b, c = endpoints(3)
-    picker.set_endpoints("m", [a, b, c])
-    observe(picker, clock, a, waiting=3, running=2, kv=0.5)
+def test_seed_formula_values(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b, c) = pool(3, (3, 2, 0.5), policy="seed")
     assert picker.score(a) == 0 + 2 * 3 + 2 + 10 * 0.5 == 13.0
     lease = picker.pick("m").lease  # goes to b or c (score 0)
     assert lease.endpoint in (b, c)
@@ -51,10 +41,8 @@ def test_seed_formula_values(make_picker: MakePicker, clock: FakeClock) -> None:
     assert picker.score(a) == 13.0
 
 
-def test_least_request_uses_only_local_in_flight(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(policy="least_request")
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_least_request_uses_only_local_in_flight(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, policy="least_request")
     observe(picker, clock, a, waiting=100, running=200, kv=1.0)  # ignored
     first = picker.pick("m")
     second = picker.pick("m")
@@ -63,22 +51,16 @@ def test_least_request_uses_only_local_in_flight(make_picker: MakePicker, clock:
     assert picker.pick("m").primary == first.primary  # now the one with fewer in flight
 
 
-def test_round_robin_cycles_with_rotating_fallbacks(make_picker: MakePicker) -> None:
-    picker = make_picker(policy="round_robin", fallbacks=1)
-    a, b, c = endpoints(3)
-    picker.set_endpoints("m", [a, b, c])
+def test_round_robin_cycles_with_rotating_fallbacks(pool: Pool) -> None:
+    picker, (a, b, c) = pool(3, policy="round_robin", fallbacks=1)
     picks = [picker.pick("m") for _ in range(6)]
     assert [p.primary for p in picks] == [a, b, c, a, b, c]
     assert [p.fallbacks for p in picks[:3]] == [(b,), (c,), (a,)]
     assert picker.in_flight(a) == 2  # counted like any other policy
 
 
-def test_equal_endpoints_share_load(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    eps = endpoints(4)
-    picker.set_endpoints("m", eps)
-    for ep in eps:
-        observe(picker, clock, ep, waiting=2, running=8, kv=0.4)
+def test_equal_endpoints_share_load(pool: Pool, clock: FakeClock) -> None:
+    picker, eps = pool(4, *[(2, 8, 0.4)] * 4)
     chosen: Counter[Endpoint] = Counter()
     for _ in range(400):
         pick = picker.pick("m")

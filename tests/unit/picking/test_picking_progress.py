@@ -4,17 +4,14 @@ pages showed in its batch, and come off the steps they have left (`Signals.ends`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from math import ceil
 
-from picking_helpers import endpoints
+from picking_helpers import MakePicker, endpoints
 
 from modeldock.clock import FakeClock
 from modeldock.picking import Picker, Sample, saturation
 from modeldock.picking.signals import Signals
 from modeldock.types import Endpoint
-
-MakePicker = Callable[..., Picker]
 
 
 def _left(s: Signals) -> list[int]:

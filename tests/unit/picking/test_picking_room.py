@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from picking_helpers import endpoints
+from picking_helpers import MakePicker, Pool, endpoints
 
 from modeldock.clock import FakeClock
 from modeldock.picking import Picker, Sample, Saturated, Saturation
-
-MakePicker = Callable[..., Picker]
 
 
 def _see(picker: Picker, clock: FakeClock, ep: object, waiting: float, running: float, total: float = 0.0) -> None:
@@ -18,10 +14,8 @@ def _see(picker: Picker, clock: FakeClock, ep: object, waiting: float, running: 
                    clock.monotonic())
 
 
-def test_a_backend_queue_means_no_room_whatever_the_kv(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(saturation=Saturation(room=True))
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_a_backend_queue_means_no_room_whatever_the_kv(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, saturation=Saturation(room=True))
     _see(picker, clock, a, waiting=1, running=3)  # KV 10%: only the queue says it is full
     _see(picker, clock, b, waiting=0, running=1)
     assert picker.pick("m").primary == b
@@ -73,10 +67,8 @@ def test_a_stale_sample_falls_back_to_in_flight_against_the_limit(make_picker: M
         picker.pick("m")
 
 
-def test_drain_rate_is_learned_only_while_full(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(saturation=Saturation(room=True))
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_drain_rate_is_learned_only_while_full(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, saturation=Saturation(room=True))
     _see(picker, clock, a, waiting=0, running=1, total=0)
     clock.advance(1.0)
     _see(picker, clock, a, waiting=0, running=1, total=100)  # busy, not full: 100 tokens/s

@@ -1,21 +1,15 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from picking_helpers import endpoints, observe
+from picking_helpers import MakePicker, Pool, endpoints, observe
 
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited, Unavailable
-from modeldock.picking import Picker, Saturation
-
-MakePicker = Callable[..., Picker]
+from modeldock.picking import Saturation
 
 
-def test_rejects_with_429_when_every_candidate_is_over(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(saturation=Saturation(max_waiting=10, max_kv=0.95))
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_rejects_with_429_when_every_candidate_is_over(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, saturation=Saturation(max_waiting=10, max_kv=0.95))
     observe(picker, clock, a, waiting=12, kv=0.5)
     observe(picker, clock, b, waiting=0, kv=0.97)
     with pytest.raises(RateLimited) as caught:
@@ -38,10 +32,8 @@ def test_can_reject_with_503(make_picker: MakePicker, clock: FakeClock) -> None:
     assert caught.value.status == 503 and caught.value.code == "endpoints_saturated"
 
 
-def test_picks_an_unsaturated_endpoint_when_one_exists(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(saturation=Saturation(max_kv=0.9), fallbacks=1)
-    full, ok = endpoints(2)
-    picker.set_endpoints("m", [full, ok])
+def test_picks_an_unsaturated_endpoint_when_one_exists(pool: Pool, clock: FakeClock) -> None:
+    picker, (full, ok) = pool(2, saturation=Saturation(max_kv=0.9), fallbacks=1)
     observe(picker, clock, full, kv=0.95)
     observe(picker, clock, ok, waiting=30, running=200, kv=0.85)  # busier by every other measure
     pick = picker.pick("m")
@@ -76,10 +68,8 @@ def test_off_by_default(make_picker: MakePicker, clock: FakeClock) -> None:
     assert picker.pick("m").primary == a
 
 
-def test_two_choices_finds_the_last_free_endpoint(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(saturation=Saturation(max_waiting=5))
-    eps = endpoints(50)
-    picker.set_endpoints("m", eps)
+def test_two_choices_finds_the_last_free_endpoint(pool: Pool, clock: FakeClock) -> None:
+    picker, eps = pool(50, saturation=Saturation(max_waiting=5))
     for ep in eps[1:]:
         observe(picker, clock, ep, waiting=9)
     observe(picker, clock, eps[0], waiting=0)
@@ -91,10 +81,8 @@ def test_two_choices_finds_the_last_free_endpoint(make_picker: MakePicker, clock
         picker.pick("m")
 
 
-def test_round_robin_skips_saturated(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(policy="round_robin", saturation=Saturation(max_kv=0.9))
-    a, b, c = endpoints(3)
-    picker.set_endpoints("m", [a, b, c])
+def test_round_robin_skips_saturated(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b, c) = pool(3, policy="round_robin", saturation=Saturation(max_kv=0.9))
     observe(picker, clock, b, kv=0.99)
     assert [picker.pick("m").primary for _ in range(4)] == [a, c, c, a]
 

@@ -9,7 +9,7 @@ from modeldock.picking.signals import SIGNAL_GROUPS, Load, Sample, Signals
 
 def test_signals_take_keywords_only() -> None:
     with pytest.raises(TypeError):
-        Signals(True, None)  # type: ignore[misc]
+        Signals(True, None)  # type: ignore[call-arg]
 
 
 def test_every_keyword_lands_in_its_own_field() -> None:

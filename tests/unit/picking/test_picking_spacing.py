@@ -6,30 +6,22 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from picking_helpers import endpoints, observe
+from picking_helpers import MakePicker, Pool, endpoints, observe
 
 from modeldock.clock import FakeClock
 from modeldock.picking import Lease, Picker, Sample
 from modeldock.picking.signals import correct
 from modeldock.types import Endpoint
 
-MakePicker = Callable[..., Picker]
-
-
 # -- near ties: least recently picked ----------------------------------------
 
 
-def test_equal_endpoints_get_picks_in_rotation(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    eps = endpoints(4)
-    picker.set_endpoints("m", eps)
-    for ep in eps:
-        observe(picker, clock, ep, waiting=0, running=3, kv=0.3)
+def test_equal_endpoints_get_picks_in_rotation(pool: Pool, clock: FakeClock) -> None:
+    picker, eps = pool(4, *[(0, 3, 0.3)] * 4)
     chosen = []
     for _ in range(12):
         pick = picker.pick("m")
@@ -40,12 +32,10 @@ def test_equal_endpoints_get_picks_in_rotation(make_picker: MakePicker, clock: F
     assert all(a != b for a, b in itertools.pairwise(chosen))
 
 
-def test_near_equal_scores_rotate_too(make_picker: MakePicker, clock: FakeClock) -> None:
+def test_near_equal_scores_rotate_too(pool: Pool, clock: FakeClock) -> None:
     # Samples a little apart (a stale KV reading, one short request more or less):
     # nothing load can tell apart, so the picks are spaced out instead of chasing the lowest.
-    picker = make_picker()
-    eps = endpoints(3)
-    picker.set_endpoints("m", eps)
+    picker, eps = pool(3)
     for ep, kv, running in zip(eps, (0.30, 0.33, 0.35), (2, 3, 2), strict=True):
         observe(picker, clock, ep, waiting=0, running=running, kv=kv)
     scores = [picker.score(ep) or 0.0 for ep in eps]
@@ -71,13 +61,11 @@ def test_a_clearly_better_endpoint_still_wins_every_time(make_picker: MakePicker
         pick.lease.release()
 
 
-def test_near_tie_never_goes_to_an_endpoint_holding_more(make_picker: MakePicker, clock: FakeClock) -> None:
+def test_near_tie_never_goes_to_an_endpoint_holding_more(pool: Pool, clock: FakeClock) -> None:
     # The in-flight count is exact and current; the sample terms may be a scrape old.
     # Near the slot limit one request more moves the score by < 0.01, so without this
     # guard a near tie could queue a request behind a backend's last free slot.
-    picker = make_picker()
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+    picker, (a, b) = pool(2)
     first = picker.pick("m")
     second = picker.pick("m")
     held, idle = first.primary, second.primary  # held was picked longer ago ...
@@ -88,10 +76,8 @@ def test_near_tie_never_goes_to_an_endpoint_holding_more(make_picker: MakePicker
     assert picker.pick("m").primary == idle
 
 
-def test_near_tie_zero_rotates_exact_ties_only(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(near_tie=0.0)
-    a, b, c = endpoints(3)
-    picker.set_endpoints("m", [a, b, c])
+def test_near_tie_zero_rotates_exact_ties_only(make_picker: MakePicker, pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b, c) = pool(3, near_tie=0.0)
     observe(picker, clock, a, running=3, kv=0.30)
     observe(picker, clock, b, running=3, kv=0.30)
     observe(picker, clock, c, running=3, kv=0.31)  # not exactly equal: never leads
@@ -105,10 +91,8 @@ def test_near_tie_zero_rotates_exact_ties_only(make_picker: MakePicker, clock: F
         make_picker(near_tie=-0.1)
 
 
-def test_other_policies_keep_random_ties(make_picker: MakePicker) -> None:
-    picker = make_picker(policy="least_request", rng=random.Random(5))
-    eps = endpoints(4)
-    picker.set_endpoints("m", eps)
+def test_other_policies_keep_random_ties(pool: Pool) -> None:
+    picker, eps = pool(4, policy="least_request", rng=random.Random(5))
     chosen = []
     for _ in range(40):
         pick = picker.pick("m")
@@ -120,10 +104,8 @@ def test_other_policies_keep_random_ties(make_picker: MakePicker) -> None:
 # -- a burst between scrapes ---------------------------------------------------
 
 
-def test_burst_between_scrapes_spreads_over_endpoints(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    eps = endpoints(4)
-    picker.set_endpoints("m", eps)
+def test_burst_between_scrapes_spreads_over_endpoints(pool: Pool, clock: FakeClock) -> None:
+    picker, eps = pool(4)
     for ep, kv in zip(eps, (0.30, 0.34, 0.32, 0.36), strict=True):
         observe(picker, clock, ep, waiting=0, running=2, kv=kv)
     burst = [picker.pick("m").primary for _ in range(8)]  # within one scrape interval, none finished
@@ -131,13 +113,11 @@ def test_burst_between_scrapes_spreads_over_endpoints(make_picker: MakePicker, c
     assert set(burst[:4]) == set(eps)  # one each before anyone gets a second
 
 
-def test_burst_after_turnover_is_not_stacked(make_picker: MakePicker, clock: FakeClock) -> None:
+def test_burst_after_turnover_is_not_stacked(pool: Pool, clock: FakeClock) -> None:
     # a's sample counted 6 of our requests; they all finish before a burst of 8. The old
     # net count (in_flight - at sample = -6 + picks) hid the first 6 burst picks and a took 7
     # of 8; counting picks apart from completions, every burst pick raises a's queue estimate.
-    picker = make_picker(near_tie=0.0)
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+    picker, (a, b) = pool(2, near_tie=0.0)
     before = [picker.pick("m").lease for _ in range(12)]
     assert picker.in_flight(a) == picker.in_flight(b) == 6
     observe(picker, clock, a, waiting=0, running=6, kv=0.3)
@@ -169,10 +149,8 @@ def test_turnover_since_a_sample_is_not_invisible(make_picker: MakePicker, clock
     assert (picker.signals(a).waiting, picker.signals(a).running) == (1.0, 0.0)
 
 
-def test_turnover_makes_an_endpoint_rank_behind_an_unchanged_one(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(near_tie=0.0)
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_turnover_makes_an_endpoint_rank_behind_an_unchanged_one(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, near_tie=0.0)
     leases = [picker.pick("m").lease for _ in range(4)]
     for ep in (a, b):
         observe(picker, clock, ep, waiting=0, running=2, kv=0.3)
@@ -195,10 +173,8 @@ def test_correction_counts_picks_and_completions_apart() -> None:
     assert correct(sample, 0, 0) == (1, 3)
 
 
-def test_moved_request_counts_as_new_where_it_went(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(policy="round_robin")
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_moved_request_counts_as_new_where_it_went(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, policy="round_robin")
     observe(picker, clock, a, running=1)
     observe(picker, clock, b, running=1)
     lease = picker.pick("m").lease  # to a, after a's sample: a's new one
@@ -349,10 +325,8 @@ def test_other_requests_are_spaced_over_every_near_tie_whatever_its_speed(
     assert _rotation(picker, 6) == {ep: 2 for ep in eps}
 
 
-def test_an_unknown_speed_is_not_passed_over(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    known, unknown = endpoints(2)
-    picker.set_endpoints("m", [known, unknown])
+def test_an_unknown_speed_is_not_passed_over(pool: Pool, clock: FakeClock) -> None:
+    picker, (known, unknown) = pool(2)
     _learn_speed(picker, clock, known, 1000.0)
     for ep in (known, unknown):
         observe(picker, clock, ep, waiting=0, running=1, kv=0.3)

@@ -4,10 +4,9 @@ and saturation by room."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
-from picking_helpers import endpoints, observe
+from picking_helpers import MakePicker, Pool, endpoints, observe
 
 from modeldock.clock import FakeClock
 from modeldock.errors import RateLimited
@@ -16,7 +15,6 @@ from modeldock.picking.headroom import KvHeadroom
 from modeldock.picking.wait import PredictedWait
 from tests.support.vllm_page import vllm_metrics_page
 
-MakePicker = Callable[..., Picker]
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
@@ -43,10 +41,8 @@ def test_output_limits_known_follow_each_request_sorted_through_move_and_release
     assert not picker.signals(a).ends and not picker.signals(b).ends
 
 
-def test_claim_move_and_release_carry_tokens_exactly_once(make_picker: MakePicker) -> None:
-    picker = make_picker(fallbacks=1)
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_claim_move_and_release_carry_tokens_exactly_once(pool: Pool) -> None:
+    picker, (a, b) = pool(2, fallbacks=1)
     first = picker.pick("m", cost=300)
     second = picker.pick("m", cost=50)
     assert picker.total_committed() == 350
@@ -62,10 +58,8 @@ def test_claim_move_and_release_carry_tokens_exactly_once(make_picker: MakePicke
     assert picker.total_committed() == 0 and picker.total_in_flight() == 0
 
 
-def test_tokens_sent_since_the_sample_are_new_until_the_next_one(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_tokens_sent_since_the_sample_are_new_until_the_next_one(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2)
     observe(picker, clock, a)
     p1 = picker.pick("m", cost=100)
     assert picker.signals(a).new_tokens == 100 and picker.signals(a).committed == 100
@@ -112,10 +106,8 @@ def test_parser_sums_engines_and_ignores_an_unprofiled_cache() -> None:
     assert sample is not None and sample.capacity is None
 
 
-def test_speed_is_learned_from_counters_while_busy(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker()
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_speed_is_learned_from_counters_while_busy(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2)
     for ep, per_second in ((a, 1000.0), (b, 250.0)):
         total = 0.0
         for _ in range(4):
@@ -188,10 +180,8 @@ def test_a_paged_cache_keeps_a_part_empty_block_per_sequence(make_picker: MakePi
     second.lease.release()
 
 
-def test_room_saturation_by_waiting_and_full_kv(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(saturation=Saturation(room=True, kv_full=0.9), fallbacks=1)
-    full, busy = endpoints(2)
-    picker.set_endpoints("m", [full, busy])
+def test_room_saturation_by_waiting_and_full_kv(pool: Pool, clock: FakeClock) -> None:
+    picker, (full, busy) = pool(2, saturation=Saturation(room=True, kv_full=0.9), fallbacks=1)
     observe(picker, clock, full, waiting=1, kv=0.95)
     observe(picker, clock, busy, waiting=0, running=60, kv=0.97)  # KV full of long generations, no queue
     pick = picker.pick("m")
@@ -215,10 +205,8 @@ def test_room_saturation_when_stale_uses_a_bound_on_in_flight(make_picker: MakeP
         lease.release()
 
 
-def test_room_listeners_hear_release_move_and_samples(make_picker: MakePicker, clock: FakeClock) -> None:
-    picker = make_picker(fallbacks=1)
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_room_listeners_hear_release_move_and_samples(pool: Pool, clock: FakeClock) -> None:
+    picker, (a, b) = pool(2, fallbacks=1)
     picker.set_endpoints("n", [b])
     heard: list[str] = []
     picker.add_room_listener(heard.append)
@@ -232,10 +220,8 @@ def test_room_listeners_hear_release_move_and_samples(make_picker: MakePicker, c
     assert sorted(heard) == ["m", "n"]
 
 
-def test_release_listeners_hear_the_endpoint_a_request_left(make_picker: MakePicker) -> None:
-    picker = make_picker(fallbacks=1)
-    a, b = endpoints(2)
-    picker.set_endpoints("m", [a, b])
+def test_release_listeners_hear_the_endpoint_a_request_left(pool: Pool) -> None:
+    picker, (a, b) = pool(2, fallbacks=1)
     left: list[object] = []
     picker.add_release_listener(left.append)
     pick = picker.pick("m")

@@ -99,13 +99,17 @@ def picker(clock: FakeClock, prefix_weight: float = 0.5, **kwargs: object) -> Pi
     return p
 
 
+@pytest.fixture
+def p(clock: FakeClock) -> Picker:
+    """The usual affinity picker: prefix weight 0.5 over A, B, C and D, on the conftest's clock."""
+    return picker(clock)
+
+
 def sample(waiting: int = 0, running: int = 0, kv: float = 0.0) -> Sample:
     return Sample(waiting=waiting, running=running, kv=kv)
 
 
-def test_a_shared_prefix_follows_the_endpoint_that_saw_it() -> None:
-    clock = FakeClock()
-    p = picker(clock)
+def test_a_shared_prefix_follows_the_endpoint_that_saw_it(p: Picker) -> None:
     groups = [prompt_blocks(chat(f"group {g} " + SHARED + "question")) for g in range(4)]
     first = {}
     for g, blocks in enumerate(groups):
@@ -131,9 +135,7 @@ def test_without_affinity_the_same_prompts_spread() -> None:
     assert len(seen) == 4
 
 
-def test_load_still_wins_over_affinity_when_the_preferred_endpoint_is_busy() -> None:
-    clock = FakeClock()
-    p = picker(clock)
+def test_load_still_wins_over_affinity_when_the_preferred_endpoint_is_busy(p: Picker, clock: FakeClock) -> None:
     blocks = prompt_blocks(chat(SHARED))
     preferred = p.pick("m", blocks)
     preferred.lease.release()
@@ -169,9 +171,7 @@ def test_affinity_is_only_for_the_default_policy_and_works_with_power_of_two_cho
         again.lease.release()
 
 
-def test_endpoints_leaving_the_snapshot_are_forgotten() -> None:
-    clock = FakeClock()
-    p = picker(clock)
+def test_endpoints_leaving_the_snapshot_are_forgotten(p: Picker) -> None:
     blocks = prompt_blocks(chat(SHARED))
     pick = p.pick("m", blocks)
     pick.lease.release()
