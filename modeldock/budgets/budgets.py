@@ -9,7 +9,7 @@ settle once at the end.
     ...
     reservation.finish_nowait(sent=..., usage=..., backend_error=...)  # exactly once; later calls no-op
 
-The windows, calendar periods, the Redis layout, token leases (budget_lease.py: with Redis, requests are
+The windows, calendar periods, the Redis layout, token leases (lease.py: with Redis, requests are
 admitted from a block reserved there, without a round trip each) and the settlement rule are in
 README.md ("Token budgets").
 """

@@ -1,11 +1,11 @@
 """The token window shared by all replicas, kept in Redis.
 
-Same semantics as `budget_window.TokenWindow`. Each window is two keys in the
+Same semantics as `window.TokenWindow`. Each window is two keys in the
 tenant's hash slot: a sorted set (member: reservation id, score: the Redis
 server's time in microseconds) and a hash (reservation id -> amount, plus the
 running total under `~total`). Reserving is one Lua script: prune every window,
 check that the cost fits all of them, then add to all or none (up to `want`: a
-lease, budget_lease.py). Settling is a
+lease, lease.py). Settling is a
 second script that sets the amount (absolute, so a resent call cannot count
 twice) in every window that still holds the reservation.
 
@@ -55,7 +55,7 @@ end
 # the least grant that must fit; ARGV[3]: now in µs or ''; ARGV[4]: want (>= the least);
 # then per window: window µs, limit; then, optionally, per window: base, slope (the window counts
 # ceil(base + slope * g) for a grant g; absent: g itself). A negative window is a calendar period's
-# counter (budget_period.py): no pruning, no sorted set, the hash lives -window µs after its last
+# counter (period.py): no pruning, no sorted set, the hash lives -window µs after its last
 # reservation. Admits when the least fits every window and adds the largest g <= want that fits all
 # under the id (a lease, or a request's output capped to its budget; want = the least for one exact
 # request). An id already present is not added again and the grant it holds is returned (a resent

@@ -3,7 +3,7 @@
     specs = budget_specs(tenant, served_model, now, periods, limits.budget_timezone, price, minute_s=60)
 
 Each `Spec` is one budget: its window (key, limit, length; a negative length is a calendar period's
-counter, budget_period.py), the config field that set it (the name `x-ratelimit-binding-tokens`
+counter, period.py), the config field that set it (the name `x-ratelimit-binding-tokens`
 reports), its unit (`tokens`, or `cost` in millionths of the price's currency) and, for a period, the
 instant it ends (the reset and Retry-After count to it).
 """

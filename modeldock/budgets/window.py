@@ -9,7 +9,7 @@ amount it holds by then. An entry that has already left the window cannot be
 settled any more (there is nothing left to adjust).
 
 Every key has its own window length (60 s for per-minute budgets), passed with the key. A negative
-length marks a calendar period's counter (budget_period.py): its key names the period, so nothing
+length marks a calendar period's counter (period.py): its key names the period, so nothing
 expires by time; a settled entry is folded into the total (only held entries are kept), and the key is
 dropped once idle for -length seconds.
 

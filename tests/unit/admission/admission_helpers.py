@@ -13,7 +13,10 @@ def tenant(
     rpm: int = 0,
     per_model: dict[str, int] | None = None,
     max_in_flight: int = 0,
+    **fields: Any,
 ) -> TenantConfig:
+    """A tenant allowed every model, its API key `key-<id>`; `fields`: any other TenantConfig field
+    (the token budgets' tests build theirs on this)."""
     return TenantConfig(
         id=tenant_id,
         api_key_hashes=[hash_key(f"key-{tenant_id}")],
@@ -21,6 +24,7 @@ def tenant(
         requests_per_minute=rpm,
         requests_per_minute_per_model=per_model or {},
         max_in_flight=max_in_flight,
+        **fields,
     )
 
 

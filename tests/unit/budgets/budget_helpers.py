@@ -8,23 +8,17 @@ from typing import Any
 import redis.asyncio
 
 from modeldock.clock import FakeClock
-from modeldock.config import Config, LimitsConfig, ModelConfig, PriceConfig, TenantConfig, hash_key
+from modeldock.config import Config, LimitsConfig, ModelConfig, PriceConfig, TenantConfig
 from tests.support.redis_server import RedisServer
+from tests.unit.admission.admission_helpers import tenant
 
 
 def budget_tenant(
     tenant_id: str = "acme", *, tpm: int = 0, tpd: int = 0, per_model: dict[str, int] | None = None,
     **fields: Any,
 ) -> TenantConfig:
-    return TenantConfig(
-        id=tenant_id,
-        api_key_hashes=[hash_key(f"key-{tenant_id}")],
-        models=["*"],
-        tokens_per_minute=tpm,
-        tokens_per_day=tpd,
-        tokens_per_minute_per_model=per_model or {},
-        **fields,
-    )
+    return tenant(tenant_id, tokens_per_minute=tpm, tokens_per_day=tpd,
+                  tokens_per_minute_per_model=per_model or {}, **fields)
 
 
 def budget_config(*tenants: TenantConfig, price: PriceConfig | None = None, **limits: Any) -> Config:
