@@ -115,7 +115,7 @@ class Gateway:
         self.stale_models: frozenset[str] = frozenset()
         # The queue's settings apply from start; tenants' weights and classes follow reloads.
         # Flow control behind one call (acquire); the picker's room listener wakes its queues.
-        self.flow = Dispatcher(config.queue, clock, pick=picker.pick, speed=picker.ledger.speed, metrics=queue_metrics)
+        self.flow = Dispatcher(config.queue, clock, pick=picker.pick, speed=picker.speed, metrics=queue_metrics)
         picker.add_room_listener(self.flow.dispatch)
         self._load(config)
 
