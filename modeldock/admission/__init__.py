@@ -1,1 +1,2 @@
-"""Admission: who may send what, and how often, before an endpoint is chosen."""
+"""Request limits: which tenant a key is, and how many requests it may send and have in flight (token
+and cost budgets are `modeldock.budgets`)."""
