@@ -57,7 +57,7 @@ class TenantConfig(_Strict):
     # the window is per served name (see modeldock/admission/README.md).
     requests_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}
     max_in_flight: Annotated[int, Field(ge=0)] = 0  # 0 means no limit
-    # Token budgets (admission/budgets.py); 0 or absent means no budget. Per-model keys are globs
+    # Token budgets (budgets/budgets.py); 0 or absent means no budget. Per-model keys are globs
     # matched against the served model name; each pattern is one budget shared by the models it matches.
     tokens_per_minute: Annotated[int, Field(ge=0)] = 0
     tokens_per_minute_per_model: dict[str, Annotated[int, Field(ge=1)]] = {}

@@ -3,7 +3,7 @@
 Plain functions of the director's: the output limit a budgeted request carries to the backend
 (`bound_output`) and, at its end, its termination cause from Envoy's report
 (`gateway/settlement.UsageReport`). The charge itself is the reservation's (`Reservation.finish_nowait`,
-the one settlement rule `admission.tokens.charge_for`), which the usage record repeats.
+the one settlement rule `budgets.tokens.charge_for`), which the usage record repeats.
 """
 
 from __future__ import annotations

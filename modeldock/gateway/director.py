@@ -230,7 +230,7 @@ class Gateway:
     def settle(self, done: Finished, report: UsageReport | None) -> None:
         """Settle a finished request once, with Envoy's report of it (None: none came in time).
 
-        The rule (admission/tokens.charge_for): usage reported -> charge exactly it; the body never reached
+        The rule (budgets/tokens.charge_for): usage reported -> charge exactly it; the body never reached
         a backend -> nothing; it did, usage unknown -> the prompt estimate when the backend answered an error,
         else the whole reservation (client gone, stream cut, no report). Then one usage record.
         """
