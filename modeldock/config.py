@@ -227,7 +227,7 @@ class LimitsConfig(_Strict):
     # budget) instead of refused; false: refused with 429 tokens_rate_limited.
     cap_output_to_budget: bool = True
     # Token budgets in Redis: how long a replica admits from a block of tokens it reserved there
-    # (admission/README.md "Token leases"); 0 reserves each request in Redis on its own.
+    # (budgets/README.md "Token leases"); 0 reserves each request in Redis on its own.
     token_lease_ms: Annotated[int, Field(ge=0, le=10_000)] = 1000
     # The zone of calendar budgets (tokens_per_day/month, cost_per_day/month); a tenant may override it.
     budget_timezone: str = "UTC"
