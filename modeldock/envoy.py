@@ -130,10 +130,34 @@ def _attempt_log_clusters(addresses: list[tuple[str, int]]) -> str:
     }) + "\n" for i, address in enumerate(addresses))
 
 
+# The route writes modeldock:usage into this response header; the usage filters run only when it is "1".
+USAGE_MARK_HEADER = "x-modeldock-usage"
+
+
+def _usage_matcher() -> str:
+    """An ExtensionWithMatcher tree that skips the wrapped filter unless the response carries the usage mark.
+
+    Observed with Envoy 1.40 (docs/envoy.md, tests/e2e/test_usage_filter_gate.py): a request-header input
+    leaves an encoder-only filter (sse_to_metadata) running, and a dynamic-metadata input does not see what
+    ext_proc set; the response headers, with the mark the route adds from the metadata, do both."""
+    marked = {"single_predicate": {
+        "input": {"name": "usage_mark", "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpResponseHeaderMatchInput",
+            "header_name": USAGE_MARK_HEADER}},
+        "value_match": {"exact": "1"}}}
+    return json.dumps({"matcher_list": {"matchers": [{
+        "predicate": {"not_matcher": marked},
+        "on_match": {"action": {"name": "skip", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}},
+    }]}})
+
+
 def _ratelimit_headers() -> str:
-    return json.dumps([{"header": {"key": name, "value": f"%DYNAMIC_METADATA({ROUTE_NAMESPACE}:{name})%"},
-                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-                       for name in (LIMIT, REMAINING, RESET, *BUDGET_RESPONSE_HEADERS)])
+    headers = [(name, f"%DYNAMIC_METADATA({ROUTE_NAMESPACE}:{name})%")
+               for name in (LIMIT, REMAINING, RESET, *BUDGET_RESPONSE_HEADERS)]
+    headers.append((USAGE_MARK_HEADER, f"%DYNAMIC_METADATA({ROUTE_NAMESPACE}:usage)%"))
+    return json.dumps([{"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                       for key, value in headers])
 
 
 def _block(value: object, indent: int) -> str:
@@ -172,6 +196,7 @@ def render_bootstrap(options: BootstrapOptions) -> str:
         attempt_loggers=_attempt_loggers(len(extproc)), attempt_log_clusters=_attempt_log_clusters(extproc),
         ratelimit_headers=_ratelimit_headers(), usage_loggers=_usage_loggers(len(extproc)),
         usage_rules=_usage_rules(sse=False), usage_sse_rules=_usage_rules(sse=True),
+        usage_matcher=_usage_matcher(),
     )
     text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
     yaml.safe_load(text)  # fail here, not in Envoy, if a value broke the YAML

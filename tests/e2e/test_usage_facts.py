@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import openai
 import pytest
 import yaml
@@ -57,7 +56,8 @@ def _bootstrap_lua() -> str:
                                                               extproc_port=4)))
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     (lua,) = [f for f in hcm["http_filters"] if f["name"] == "modeldock.drop_usage_chunk"]
-    source: str = lua["typed_config"]["default_source_code"]["inline_string"]
+    typed = lua["typed_config"].get("extension_config", {}).get("typed_config", lua["typed_config"])  # the gate
+    source: str = typed["default_source_code"]["inline_string"]
     return source
 
 
@@ -150,12 +150,8 @@ def metadata(entry: accesslog_pb2.HTTPAccessLogEntry, namespace: str = NS) -> di
 
 
 @pytest.fixture
-async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
-    logs = AccessLogCollector()
-    server = grpc.aio.server()
-    logs.add_to(server)
-    als_port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+async def rig(tmp_path: Path, access_log: tuple[AccessLogCollector, int]) -> AsyncIterator[Rig]:
+    logs, als_port = access_log
     sup = Supervisor(tmp_path)
     try:
         (sim,) = start_sims(sup, 1, ("--speed", "20"), model=MODEL)
@@ -182,7 +178,6 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             await dead.close()
     finally:
         sup.stop_all(timeout=5)
-        await server.stop(None)
 
 
 def rid() -> str:

@@ -15,11 +15,22 @@ import yaml
 
 from modeldock.cli import main
 from modeldock.config import ConfigError, ListenerConfig, parse_config
-from modeldock.envoy import BootstrapOptions, duration, render_bootstrap
+from modeldock.envoy import USAGE_MARK_HEADER, BootstrapOptions, duration, render_bootstrap
+
+MATCHER_TYPE = "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
+USAGE_FILTERS = ("modeldock.drop_usage_chunk", "modeldock.usage_from_json", "modeldock.usage_from_sse")
 
 
 def hcm(config: dict[str, Any]) -> dict[str, Any]:
     typed: dict[str, Any] = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return typed
+
+
+def inner(typed: dict[str, Any]) -> dict[str, Any]:
+    """A filter's own config, through the ExtensionWithMatcher that gates it."""
+    if typed["@type"] == MATCHER_TYPE:
+        wrapped: dict[str, Any] = typed["extension_config"]["typed_config"]
+        return wrapped
     return typed
 
 
@@ -131,13 +142,14 @@ def test_every_budget_response_header_comes_from_the_route_metadata() -> None:
     (routed,) = [r for r in routes if "dynamic_metadata" in r["match"]]
     added = {h["header"]["key"]: h["header"]["value"] for h in routed["response_headers_to_add"]}
     names = (LIMIT, REMAINING, RESET, *BUDGET_RESPONSE_HEADERS)
-    assert BUDGET_RESPONSE_HEADERS and set(added) == set(names)  # each one, whatever the tuple holds
+    # each one, whatever the tuple holds, and the usage mark (test_the_usage_filters_run_only_...)
+    assert BUDGET_RESPONSE_HEADERS and set(added) == {*names, USAGE_MARK_HEADER}
     assert all(added[name] == f"%DYNAMIC_METADATA(modeldock:{name})%" for name in names)
     assert "x-ratelimit-binding-tokens" in added and "x-modeldock-output-limit-reason" in added
 
 
 def test_both_usage_filters_copy_the_counts_and_the_cached_tokens() -> None:
-    filters = {f["name"]: f["typed_config"] for f in hcm(render(ListenerConfig()))["http_filters"]}
+    filters = {f["name"]: inner(f["typed_config"]) for f in hcm(render(ListenerConfig()))["http_filters"]}
     json_rules = filters["modeldock.usage_from_json"]["response_rules"]["rules"]
     sse_rules = [r["rule"] for r in
                  filters["modeldock.usage_from_sse"]["response_rules"]["content_parser"]["typed_config"]["rules"]]
@@ -155,3 +167,32 @@ def test_the_drop_usage_filter_runs_after_the_usage_filters_on_the_response() ->
     names = [f["name"] for f in hcm(render(ListenerConfig()))["http_filters"]]
     assert names.index("modeldock.drop_usage_chunk") < names.index("modeldock.usage_from_json")
     assert names.index("modeldock.drop_usage_chunk") < names.index("modeldock.usage_from_sse")
+
+
+def test_the_usage_filters_run_only_for_a_request_marked_for_usage() -> None:
+    # Without a budget or usage records (most tenants), none of the three filters may touch a response:
+    # each is wrapped in a matcher that skips it unless the response carries the mark the route adds.
+    manager = hcm(render(ListenerConfig()))
+    filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
+    skip = {"name": "skip", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}
+    for name in USAGE_FILTERS:
+        typed = filters[name]
+        assert typed["@type"] == MATCHER_TYPE and typed["extension_config"]["name"] == name
+        (rule,) = typed["xds_matcher"]["matcher_list"]["matchers"]
+        assert rule["on_match"] == {"action": skip}
+        marked = rule["predicate"]["not_matcher"]["single_predicate"]
+        assert marked["input"]["typed_config"] == {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpResponseHeaderMatchInput",
+            "header_name": USAGE_MARK_HEADER}
+        assert marked["value_match"] == {"exact": "1"}  # what extproc/responses.py writes into modeldock:usage
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    (routed,) = [r for r in routes if "dynamic_metadata" in r["match"]]
+    added = {h["header"]["key"]: h["header"]["value"] for h in routed["response_headers_to_add"]}
+    assert added[USAGE_MARK_HEADER] == "%DYNAMIC_METADATA(modeldock:usage)%"
+    # A backend cannot switch the filters on (removes come before adds), and the client never sees the mark.
+    assert USAGE_MARK_HEADER in routed["response_headers_to_remove"]
+    assert all(USAGE_MARK_HEADER not in {h["header"]["key"] for h in r.get("response_headers_to_add", [])}
+               for r in routes if r is not routed)
+    strip = filters["modeldock.strip_routing_headers"]["mutations"]["response_mutations"]
+    assert {"remove": USAGE_MARK_HEADER} in strip
