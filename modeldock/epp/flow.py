@@ -10,29 +10,30 @@ body echoed after it; every response chunk is echoed as it comes. The served-end
 (Istio) moves the in-flight count; `finish()` releases what the request holds, once, when the
 stream ends (which the gateway makes the end of the HTTP stream: every phase is sent). A request
 that needs its usage has it read from the response (usage.py) and settled with it; without it
-(no usage seen, a cut stream) it is charged its whole reservation.
+(no usage seen, a cut stream) it is charged its whole reservation. The flow is the request's
+`Outcome` (gateway/lifecycle.py); the registry (`Lifecycle`, settling at each stream end in this
+mode) keys it, counts its retries and settles it.
 
 Modes are read from the stream's first message (`protocol_config`, which Envoy 1.40 sends).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
+from weakref import WeakKeyDictionary
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from modeldock import replies as responses
 from modeldock.epp import protocol
 from modeldock.epp.usage import UsageScanner
 from modeldock.errors import PayloadTooLarge, Rejection, Unavailable
-from modeldock.extproc import responses
-from modeldock.gateway import MODELS_PATH, Finished, Gateway, Routed, check_route
-from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, read_head
+from modeldock.gateway import MODELS_PATH, Gateway, check_route
+from modeldock.gateway.lifecycle import Lifecycle, Outcome, Stage
+from modeldock.gateway.request import PRIORITY_HEADER, read_head
 from modeldock.gateway.settlement import UsageReport
 from modeldock.types import Endpoint
 
@@ -51,20 +52,15 @@ class PickerOptions:
     fallbacks: bool = False
 
 
-class RequestKeys:
-    """The gateway's keys for requests (the reservation's, and the usage record's `request_id`): unique
-    across replicas and restarts, as the bootstrap's servicer mints them (extproc/server.py): a random
-    per-process prefix and a counter."""
-
-    def __init__(self) -> None:
-        self._prefix = secrets.token_hex(6) + "-"
-        self._counter = itertools.count(1)
-
-    def __call__(self) -> str:
-        return f"{self._prefix}{next(self._counter)}"
+# A flow made without a registry (a test, a benchmark) shares its gateway's: settling at each stream end.
+_OWN: WeakKeyDictionary[Gateway, Lifecycle] = WeakKeyDictionary()
 
 
-_KEYS = RequestKeys()  # for a flow made without a key (the servicer passes its own)
+def _lifecycle_of(gateway: Gateway) -> Lifecycle:
+    lifecycle = _OWN.get(gateway)
+    if lifecycle is None:
+        lifecycle = _OWN[gateway] = Lifecycle(gateway, await_reports=False)
+    return lifecycle
 
 
 class Phase(Enum):
@@ -74,14 +70,17 @@ class Phase(Enum):
     DONE = 4  # answered without one (an immediate response)
 
 
-class PickerFlow:
-    def __init__(self, gateway: Gateway, options: PickerOptions = PickerOptions(),
-                 on_retry: Callable[[], None] | None = None, rid: str = "") -> None:
+class PickerFlow(Outcome):
+    """One stream from the gateway. `lifecycle` keys it, hears its retries and settles it at `finish()`;
+    without one (a test) its gateway's own, which settles at the stream end, as picker mode does."""
+
+    def __init__(self, gateway: Gateway, options: PickerOptions = PickerOptions(), *,
+                 lifecycle: Lifecycle | None = None) -> None:
+        super().__init__()
         self._gateway = gateway
-        self.rid = rid or _KEYS()  # the gateway's key for this request (reservation, usage record)
-        self._settled = False  # finish() settled the routed request's reservation
+        self._lifecycle = _lifecycle_of(gateway) if lifecycle is None else lifecycle
+        self._lifecycle.open(self)  # the key: its reservation's and its usage record's id
         self._options = options
-        self._on_retry = on_retry
         self._phase = Phase.HEADERS
         self._duplex_request = self._duplex_response = True
         self._chunks: list[bytes] = []
@@ -92,14 +91,6 @@ class PickerFlow:
         self._response_status = 0
         self._response_ended = False
         self._asked = False  # the director was called (and logs its refusals)
-        self.head: RequestHead | None = None
-        self.routed: Routed | None = None
-        self.served_by = ""
-        self.outcome = "incomplete"
-        self.status = 0
-        # Metric labels: the configured tenant id and model name once known, else "" (never client text).
-        self.tenant_id = ""
-        self.model_name = ""
 
     async def handle(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """The answers to one message, in order; none while a FULL_DUPLEX_STREAMED body is coming in."""
@@ -136,8 +127,7 @@ class PickerFlow:
         except Rejection as rejection:
             self._phase = Phase.DONE
             self._chunks = []  # nothing goes on: drop what was held
-            self.outcome, self.status = "rejected", rejection.status
-            self.tenant_id, self.model_name = rejection.tenant, rejection.model
+            self.rejected(rejection)
             if not self._asked:  # the director logs its own refusals
                 self._log(rejection)
             return [responses.rejection_response(rejection)]
@@ -171,8 +161,7 @@ class PickerFlow:
             self._asked = True
             tenant, names = self._gateway.models(head)
             self._phase = Phase.DONE
-            self.outcome, self.status = "models", 200
-            self.tenant_id = tenant.id
+            self.listed_models(tenant.id)
             return [responses.models_response(names)]
         check_route(head)  # 404 / 400 before any body is collected
         if head.content_length is not None:
@@ -194,10 +183,9 @@ class PickerFlow:
         body = b"".join(self._chunks)
         self._chunks = []
         self._asked = True
-        routed = self.routed = await self._gateway.route(self.head, body, self.rid, subset=self._subset)
+        routed = await self._gateway.route(self.head, body, self.rid, subset=self._subset)
         self._phase = Phase.ROUTED
-        self.outcome = "proxied"
-        self.tenant_id, self.model_name = routed.tenant.id, routed.model
+        self.proxied(routed)
         destination = routed.endpoints if self._options.fallbacks else routed.primary.address
         sent = routed.body if routed.body is not None else body
         if not self._duplex_request:
@@ -264,21 +252,18 @@ class PickerFlow:
     def served_on(self, address: str) -> bool:
         """The gateway reports `address` served the request: count it there (a retry moved it).
         False when nothing moved."""
-        routed = self.routed
-        if routed is None or self._phase is not Phase.ROUTED or not routed.lease.move_to(address):
-            return False
-        self.served_by = routed.lease.endpoint.address
-        if self._on_retry is not None:
-            self._on_retry()
-        return True
+        return self._phase is Phase.ROUTED and self._lifecycle.moved(self, address)
 
     def finish(self) -> None:
-        """The stream ended (the HTTP stream completed, failed or was cancelled). Idempotent."""
+        """The stream ended (the HTTP stream completed, failed or was cancelled): release, then end it
+        in the registry, which settles it. Idempotent."""
+        if self.stage is Stage.ENDED:
+            return
         self._phase = Phase.DONE
         self._chunks = []
         routed = self.routed
-        if routed is not None and not self._settled:
-            self._settled = True
+        report = None
+        if routed is not None:
             routed.release()
             # A gateway it did not configure sends no usage report: the usage read from the response
             # settles it; none seen (not asked for, a cut stream) -> the reservation is charged whole
@@ -289,8 +274,7 @@ class PickerFlow:
                 cancelled=not self._response_ended, endpoint=routed.lease.endpoint.address,
                 attempts=2 if self.served_by else 1)
             self._scanner = None
-            client_id = self.head.request_id if self.head is not None else ""
-            self._gateway.settle(Finished(routed, self.rid, client_id, 1 if self.served_by else 0), report)
+        self._lifecycle.ended(self, report)
 
     def _log(self, rejection: Rejection) -> None:
         rid = self.head.request_id if self.head and self.head.request_id else "-"

@@ -14,15 +14,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from modeldock.admission.limits import Admission
 from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ConfigError, load_config
-from modeldock.epp import PickerFlow, PickerOptions, PickerServicer
+from modeldock.epp import PickerOptions, PickerServicer
 from modeldock.epp.protocol import HEALTH_SERVICES
 from modeldock.extproc.attempts import AttemptLogServicer
-from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.filewatch import FileWatch
 from modeldock.flowcontrol import QueueMetrics
 from modeldock.gateway import Gateway
+from modeldock.gateway.lifecycle import Lifecycle, Outcome
 from modeldock.gateway.settlement import UsageReport
 from modeldock.health import Health
 from modeldock.picking.factory import build_picker
@@ -54,6 +54,8 @@ class ExtProcOptions:
 
 
 class ExtProcMetrics:
+    """The request metrics; the lifecycle's hooks (gateway/lifecycle.py `Hooks`)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         # tenant and model are configured names or "" (config-bounded): see Rejection.tenant.
         self.requests = Counter(
@@ -78,7 +80,7 @@ class ExtProcMetrics:
                                "Retries onto a fallback endpoint that Envoy reported (failures before the first byte)",
                                registry=registry)
 
-    def finished(self, flow: RequestFlow | PickerFlow, seconds: float) -> None:
+    def on_finished(self, flow: Outcome, seconds: float) -> None:
         key = (flow.outcome, flow.status, flow.tenant_id, flow.model_name)
         counter = self._children.get(key)
         if counter is None:
@@ -90,8 +92,15 @@ class ExtProcMetrics:
         if flow.outcome == "proxied":
             self.duration.observe(seconds)
 
-    def retried(self, _flow: RequestFlow) -> None:
+    def on_retried(self, _flow: Outcome) -> None:
         self.retries.inc()
+
+    def on_reported(self, _report: UsageReport) -> None:
+        self.usage_reports.inc()
+
+    # The old names, until tests/unit/deploy/test_dashboard.py calls the hooks by theirs.
+    finished = on_finished
+    retried = on_retried
 
 
 # Envoy sends the whole buffered body in one gRPC message, with the request attributes (method, path,
@@ -131,20 +140,16 @@ class ExtProcServer:
         self.usage = UsageLog.open(config.usage, self.clock, self.registry)
         self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
                                queue_metrics=QueueMetrics(self.registry), usage_log=self.usage)
-        self.servicer: ExtProcServicer | PickerServicer
-        if options.picker is not None:
-            self.servicer = PickerServicer(
-                self.gateway, options.picker, self.metrics.finished, self.metrics.retries.inc
-            )
-            self.attempts = AttemptLogServicer(lambda _rid, _address: None)  # the gateway sends no retry log
-        else:
-            self.servicer = ExtProcServicer(self.gateway, self.metrics.finished, self.metrics.retried)
-            self.attempts = AttemptLogServicer(self.servicer.retried, self._usage_reported)
+        # The one place the mode is chosen: the adapter, and when the registry settles (at each stream end
+        # in picker mode, where a gateway modeldock did not configure sends no usage or retry log).
+        self.lifecycle = Lifecycle(self.gateway, self.metrics, await_reports=options.picker is None)
+        self.servicer: ExtProcServicer | PickerServicer = (
+            ExtProcServicer(self.gateway, self.lifecycle) if options.picker is None
+            else PickerServicer(self.gateway, options.picker, self.lifecycle))
+        self.attempts = AttemptLogServicer(self.lifecycle.retried, self.lifecycle.reported)
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
-        # Picker mode settles as each stream ends (no usage report from a gateway it did not configure).
-        self.settlements = self.servicer.settlements if isinstance(self.servicer, ExtProcServicer) else None
-        self.metrics.pending_settlements.set_function(lambda: len(self.settlements) if self.settlements else 0)
+        self.metrics.pending_settlements.set_function(lambda: self.lifecycle.pending())
         self._server: grpc.aio.Server | None = None
         # Fixed when the server is built: a reload cannot change it (see _watch_config).
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
@@ -179,10 +184,6 @@ class ExtProcServer:
         self._tasks.append(asyncio.create_task(self._serving_when_synced(), name="health"))
         log.info("ext_proc listening on %s:%d, endpoints from xDS at %s",
                  self.options.host, self.bound_port, self.options.xds_target)
-
-    def _usage_reported(self, report: UsageReport) -> None:
-        self.metrics.usage_reports.inc()
-        self.servicer.usage_reported(report)
 
     async def _serving_when_synced(self) -> None:
         # Until the first endpoints arrive every request would get a 503: not ready yet.
@@ -223,16 +224,14 @@ class ExtProcServer:
             while self.servicer.open_streams and not stopping.done():
                 await asyncio.sleep(0.05)
             # The usage reports of the last streams come a few ms after they end: wait for them (bounded).
-            settlements = self.settlements
-            if settlements is not None:
-                deadline = asyncio.get_running_loop().time() + settlements.grace
-                while len(settlements) and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(0.02)
+            settlements = self.lifecycle.settlements
+            deadline = asyncio.get_running_loop().time() + settlements.grace
+            while len(settlements) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
             self.attempts.close()
             await stopping
-        if self.settlements is not None:
-            self.settlements.flush()
-            await self.settlements.stop()
+        self.lifecycle.settlements.flush()
+        await self.lifecycle.settlements.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

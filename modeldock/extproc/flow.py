@@ -12,7 +12,9 @@ instead. A request without a body never reaches ext_proc (Envoy answers it with 
 JSON error itself). When Envoy retries onto a fallback, its access log reports the
 new endpoint (`retried_on`). The flow releases what the routed request holds
 exactly once, when the ext_proc stream ends, which Envoy makes coincide with the
-end of the HTTP stream.
+end of the HTTP stream. What it records (the key, the `Routed` result, the outcome) is
+the `Outcome` both adapters share (gateway/lifecycle.py); the registry (`Lifecycle`) keys,
+registers and settles it.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from enum import Enum
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from modeldock import replies
 from modeldock.admission.limits import Ticket
 from modeldock.config import TenantConfig
 from modeldock.errors import BadRequest, Rejection
 from modeldock.extproc import responses
-from modeldock.gateway import MODELS_PATH, Finished, Gateway, Routed, check_route
-from modeldock.gateway.request import RequestHead, head_from_attributes, read_head
+from modeldock.gateway import MODELS_PATH, Gateway, check_route
+from modeldock.gateway.lifecycle import Lifecycle, Outcome, Stage
+from modeldock.gateway.request import head_from_attributes, read_head
 from modeldock.picking import Lease
 
 log = logging.getLogger("modeldock.extproc")
@@ -62,21 +66,17 @@ def _out_of_order() -> BadRequest:
     return BadRequest("Request arrived out of order.", code="invalid_request")
 
 
-class RequestFlow:
-    def __init__(self, gateway: Gateway, rid: str = "") -> None:
+class RequestFlow(Outcome):
+    """One ext_proc stream. With a `lifecycle`, the registry keys it, holds it once routed (for Envoy's
+    retry reports) and settles it when `finish()` ends it; without one (a test) it only releases."""
+
+    def __init__(self, gateway: Gateway, rid: str = "", *, lifecycle: Lifecycle | None = None) -> None:
+        super().__init__(rid)
         self._gateway = gateway
-        # The gateway's own key for this request (modeldock:rid), unique per replica; Envoy's retry
-        # reports are joined on it. The client's x-request-id is only for log correlation.
-        self.rid = rid
+        self._lifecycle = lifecycle
+        if lifecycle is not None:
+            lifecycle.open(self)
         self._phase = Phase.START
-        self.head: RequestHead | None = None
-        self.routed: Routed | None = None
-        self.served_by = ""  # set when Envoy reports a retry onto another endpoint
-        self.outcome = "incomplete"
-        self.status = 0
-        # Metric labels: the configured tenant id and model name once known, else "" (never client text).
-        self.tenant_id = ""
-        self.model_name = ""
 
     async def handle(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         try:
@@ -87,12 +87,11 @@ class RequestFlow:
                 return self._on_request_headers(request.request_headers)
             if self._phase is Phase.START:
                 raise self._logged(_out_of_order())
-            return responses.continue_other(request)
+            return replies.continue_other(request)
         except Rejection as rejection:
             self._phase = Phase.DONE
-            self.outcome, self.status = "rejected", rejection.status
-            self.tenant_id, self.model_name = rejection.tenant, rejection.model
-            return responses.rejection_response(rejection)
+            self.rejected(rejection)
+            return replies.rejection_response(rejection)
 
     def _on_request_headers(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         """Only `/v1/models` sends its headers (a per-route override in Envoy)."""
@@ -106,16 +105,16 @@ class RequestFlow:
             raise self._logged(_out_of_order())
         tenant, names = self._gateway.models(head)
         self._phase = Phase.DONE
-        self.outcome, self.status = "models", 200
-        self.tenant_id = tenant.id
-        return responses.models_response(names)
+        self.listed_models(tenant.id)
+        return replies.models_response(names)
 
     async def _on_request_body(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         head = self.head = head_from_attributes(_attributes(request))
-        routed = self.routed = await self._gateway.route(head, request.request_body.body, self.rid)
+        routed = await self._gateway.route(head, request.request_body.body, self.rid)
         self._phase = Phase.ROUTED
-        self.outcome = "proxied"
-        self.tenant_id, self.model_name = routed.tenant.id, routed.model
+        self.proxied(routed)
+        if self._lifecycle is not None:
+            self._lifecycle.routed(self)  # before Envoy has the answer: no retry report can come first
         return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
                                             routed.route_metadata, rid=self.rid, tenant=routed.tenant.id,
                                             upstream_auth=routed.upstream_auth, usage=routed.wants_usage,
@@ -147,34 +146,18 @@ class RequestFlow:
     def model(self) -> str | None:
         return self.routed.model if self.routed is not None else None
 
-    @property
-    def primary(self) -> str:
-        return self.routed.primary.address if self.routed is not None else ""
-
     def retried_on(self, address: str) -> bool:
         """Envoy retried the request on `address` ("ip:port") before the first byte: count it there.
         False when nothing moved (not routed, ended, not an endpoint, or where it is counted already)."""
-        routed = self.routed
-        if routed is None or self._phase is not Phase.ROUTED or not routed.lease.move_to(address):
-            return False
-        self.served_by = routed.lease.endpoint.address
-        return True
-
-    def finished(self) -> Finished | None:
-        """What settling this request needs, once its stream ended; None when it needs no usage."""
-        routed = self.routed
-        if routed is None or not routed.wants_usage:
-            return None
-        client_id = self.head.request_id if self.head is not None else ""
-        return Finished(routed, self.rid, client_id, 1 if self.retried else 0)
-
-    @property
-    def retried(self) -> bool:
-        """Envoy moved the request off the primary before the first byte."""
-        return bool(self.served_by) and self.served_by != self.primary
+        return self._phase is Phase.ROUTED and self.moved_to(address)
 
     def finish(self) -> None:
-        """The HTTP stream ended (completed, failed or cancelled). Idempotent."""
+        """The HTTP stream ended (completed, failed or cancelled): release, then end it in the registry.
+        Idempotent."""
+        if self.stage is Stage.ENDED:
+            return
         self._phase = Phase.DONE
         if self.routed is not None:
             self.routed.release()
+        if self._lifecycle is not None:
+            self._lifecycle.ended(self)

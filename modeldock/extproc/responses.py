@@ -1,57 +1,30 @@
-"""Build ext_proc ProcessingResponses, and the error replies Envoy writes itself.
+"""What only modeldock's own bootstrap gets: the routed request's metadata, and Envoy's own error replies.
 
-A Rejection becomes an Envoy response in one of two places, both here:
-`rejection_response` (ext_proc's ImmediateResponse) and `local_reply_config`
-(Envoy's own replies, which ext_proc never sees: a body over the limit, a request
-without a body, every endpoint failing before the first byte, ext_proc itself down).
+A Rejection becomes an Envoy response in one of two places: `modeldock.replies.rejection_response`
+(ext_proc's ImmediateResponse, shared with picker mode) and `local_reply_config` here (Envoy's own
+replies, which ext_proc never sees: a body over the limit, a request without a body, every endpoint
+failing before the first byte, ext_proc itself down), rendered into the bootstrap by modeldock/envoy.py.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.type.v3 import http_status_pb2
 
 from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, Unavailable
+
+# Moved to modeldock.replies (shared with picker mode); kept here until tests/support/envoy_rig.py,
+# tests/e2e/test_envoy_facts.py and benchmarks/gateway_latency.py import them from there.
+from modeldock.replies import continue_other, rejection_response
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
 
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # A model's upstream credential, keyed by header name; Envoy sets the header from it, then blanks it
 # (envoy/bootstrap.yaml: modeldock.route_from_metadata, modeldock.forget_upstream_auth).
 UPSTREAM_AUTH_NAMESPACE = "modeldock.upstream_auth"
 
-
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
-    )
-
-
-def json_response(status: int, payload: object, headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
-    mutation = ep.HeaderMutation(set_headers=[_header("content-type", "application/json")])
-    for key, value in (headers or {}).items():
-        mutation.set_headers.append(_header(key.lower(), value))
-    return ep.ProcessingResponse(
-        immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=mutation,
-            body=json.dumps(payload, separators=(",", ":")).encode(),
-            details=f"modeldock_{status}",
-        )
-    )
-
-
-def rejection_response(rejection: Rejection) -> ep.ProcessingResponse:
-    return json_response(rejection.status, rejection.body(), rejection.headers)
-
-
-def models_response(names: list[str]) -> ep.ProcessingResponse:
-    """`GET /v1/models`, answered by ext_proc itself."""
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "modeldock"} for name in names]
-    return json_response(200, {"object": "list", "data": data})
+__all__ = ["UPSTREAM_AUTH_NAMESPACE", "continue_other", "local_reply_config", "rejection_response",
+           "route_request_body"]
 
 
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",
@@ -177,19 +150,3 @@ def _other(expression: str, error_type: str, message: str = "The gateway could n
     mapper = _mapper(expression, rejection)
     del mapper["status_code"]  # Envoy's own status stands
     return mapper
-
-
-def continue_other(request: ep.ProcessingRequest) -> ep.ProcessingResponse:
-    """An empty answer of the matching kind, for phases modeldock does not act on."""
-    kind = request.WhichOneof("request")
-    if kind == "response_body":
-        return ep.ProcessingResponse(response_body=ep.BodyResponse())
-    if kind == "request_trailers":
-        return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-    if kind == "response_trailers":
-        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-    if kind == "response_headers":
-        return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-    if kind == "request_body":
-        return ep.ProcessingResponse(request_body=ep.BodyResponse())
-    return ep.ProcessingResponse(request_headers=ep.HeadersResponse())

@@ -15,6 +15,7 @@ from modeldock.config import hash_key
 from modeldock.epp import PickerFlow, PickerOptions
 from modeldock.epp.protocol import SERVED_KEY, SUBSET_KEY
 from modeldock.gateway import Gateway
+from modeldock.gateway.lifecycle import Lifecycle, NoHooks, Outcome
 from modeldock.types import Endpoint
 from tests.support.extproc_messages import headers_request, make_gateway, raw_headers
 
@@ -162,7 +163,13 @@ async def test_the_subset_hint_limits_the_pick_and_an_empty_or_foreign_one_is_a_
 
 async def test_the_served_endpoint_report_moves_the_in_flight_count(gateway: Gateway) -> None:
     retries: list[int] = []
-    flow = PickerFlow(gateway, PickerOptions(fallbacks=True), on_retry=lambda: retries.append(1))
+
+    class Hooks(NoHooks):
+        def on_retried(self, request: Outcome) -> None:
+            retries.append(1)
+
+    lifecycle = Lifecycle(gateway, Hooks(), await_reports=False)
+    flow = PickerFlow(gateway, PickerOptions(fallbacks=True), lifecycle=lifecycle)
     out = await run(flow, start(), chunk(BODY))
     primary, fallback = lb_destination(out[0]).split(",")[:2]
     response = headers_request(raw_headers((":status", "200"), ("server", "vllm")), end_of_stream=False,

@@ -5,7 +5,7 @@ carrying the request's method, path, id and Authorization header as attributes; 
 `GET /v1/models` sends `request_headers`. Nothing else is ever sent (the response phases are
 skipped, and Envoy answers a request without a body itself). When Envoy retries a routed request
 onto another endpoint, its access log reports that out of band: `RequestFlow.retried_on(address)`,
-or `ExtProcServicer.retried(request_id, address)` through the servicer.
+or `Lifecycle.retried(request_id, address)` through the servicer's registry.
 
 Random phase kinds in random order, random headers (raw and string values, arbitrary bytes),
 random bodies and random attributes (absent, non-string, arbitrary text, repeated Authorization

@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import pytest
@@ -21,6 +21,7 @@ from modeldock.extproc.flow import RequestFlow
 from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.gateway import Gateway
+from modeldock.gateway.lifecycle import Lifecycle, NoHooks, Outcome
 from modeldock.types import Endpoint
 from tests.support.extproc_messages import ATTR, AUTH
 from tests.unit.extproc.flow_fuzz_invariants import (
@@ -143,7 +144,16 @@ class Failures(logging.Handler):
 async def serve(gw: Gateway, on_retry: Callable[[RequestFlow], None] | None = None,
                  ) -> tuple[grpc.aio.Server, ExtProcServicer, int, list[RequestFlow]]:
     finished: list[RequestFlow] = []
-    servicer = ExtProcServicer(gw, lambda flow, _s: finished.append(flow), on_retry)
+
+    class Hooks(NoHooks):
+        def on_finished(self, request: Outcome, seconds: float) -> None:
+            finished.append(cast(RequestFlow, request))
+
+        def on_retried(self, request: Outcome) -> None:
+            if on_retry is not None:
+                on_retry(cast(RequestFlow, request))
+
+    servicer = ExtProcServicer(gw, Lifecycle(gw, Hooks()))
     server = grpc.aio.server()
     add_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -195,7 +205,7 @@ def test_grpc_servicer_streams(mode: str, seed: int, scripts: list[list[tuple[by
         def report(request_id: str, address: str) -> None:
             target = registry.get(request_id)
             reached.clear()
-            servicer.retried(request_id, address)
+            servicer.lifecycle.retried(request_id, address)
             if target is None:
                 assert not reached, f"a report for {request_id!r} reached {reached}"
                 return
@@ -331,9 +341,9 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
             add_retry_targets(gw, "llama-70b", "10.0.0.9:8000")  # a lease only moves within its model
             for client_id in ("r-1", "\ufffdid\ufffd"):  # the client's id, as sent or as read, keys nothing
-                servicer.retried(client_id, "10.0.0.9:8000")
+                servicer.lifecycle.retried(client_id, "10.0.0.9:8000")
             assert not reached and gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 1
-            servicer.retried(rid, "10.0.0.9:8000")
+            servicer.lifecycle.retried(rid, "10.0.0.9:8000")
             assert len(reached) == 1 and reached[0].retried
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == gw.picker.total_in_flight() == 1
             # A later message with bad bytes (Envoy sends none) goes on unchanged.
@@ -345,7 +355,7 @@ async def test_grpc_other_attribute_not_utf8_is_routed() -> None:
             await settled(lambda: servicer.open_streams == 0 and len(finished) == 1)
         assert finished[0].outcome == "proxied" and finished[0].head.request_id == "\ufffdid\ufffd"
         assert_nothing_held(gw)
-        servicer.retried(rid, "10.0.0.3:8000")  # the stream ended
+        servicer.lifecycle.retried(rid, "10.0.0.3:8000")  # the stream ended
         assert len(reached) == 1
         assert_nothing_held(gw)
     finally:
@@ -371,12 +381,12 @@ async def test_grpc_requests_sharing_a_client_id_keep_their_own_reports() -> Non
             assert len(set(rids)) == 2 and "dup" not in rids
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == 2
             add_retry_targets(gw, "llama-70b", "10.0.0.9:8000", "[::1]:8000")  # a lease only moves within its model
-            servicer.retried("dup", "10.0.0.9:8000")  # the client's id names no request
+            servicer.lifecycle.retried("dup", "10.0.0.9:8000")  # the client's id names no request
             assert not reached
-            servicer.retried(rids[0], "10.0.0.9:8000")
+            servicer.lifecycle.retried(rids[0], "10.0.0.9:8000")
             first = reached[-1]
             assert first.rid == rids[0] and gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 1
-            servicer.retried(rids[1], "[::1]:8000")
+            servicer.lifecycle.retried(rids[1], "[::1]:8000")
             second = reached[-1]
             assert second.rid == rids[1] and second is not first
             assert gw.picker.in_flight(Endpoint.parse("[::1]:8000")) == 1
@@ -384,15 +394,15 @@ async def test_grpc_requests_sharing_a_client_id_keep_their_own_reports() -> Non
             await settled(lambda: len(finished) == 1)
             assert finished[0] is first
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.9:8000")) == 0
-            servicer.retried(rids[0], "10.0.0.3:8000")  # ended: its key is gone
+            servicer.lifecycle.retried(rids[0], "10.0.0.3:8000")  # ended: its key is gone
             assert len(reached) == 2
-            servicer.retried(rids[1], "10.0.0.3:8000")  # the other's entry survived the first's end
+            servicer.lifecycle.retried(rids[1], "10.0.0.3:8000")  # the other's entry survived the first's end
             assert reached[-1] is second and len(reached) == 3
             assert gw.picker.in_flight(Endpoint.parse("10.0.0.3:8000")) == gw.picker.total_in_flight() == 1
             calls[1].cancel()
             await settled(lambda: servicer.open_streams == 0 and len(finished) == 2)
             assert finished[1] is second
-            servicer.retried(rids[1], "10.0.0.9:8000")
+            servicer.lifecycle.retried(rids[1], "10.0.0.9:8000")
             assert len(reached) == 3
         assert_nothing_held(gw)
     finally:
@@ -414,7 +424,7 @@ async def test_grpc_client_gone_while_waiting_for_redis_holds_nothing() -> None:
         assert_nothing_held(gw)
         assert finished[0].lease is None  # never picked: the client left during admission
         assert finished[0].outcome == "incomplete"
-        servicer.retried("r-1", "10.0.0.2:8000")  # never routed, so never registered
+        servicer.lifecycle.retried("r-1", "10.0.0.2:8000")  # never routed, so never registered
         assert_nothing_held(gw)
     finally:
         await stop(server)

@@ -95,7 +95,7 @@ def counted(flow: Flow) -> Labels:
     """The one series a finished flow adds to a fresh registry."""
     flow.finish()
     registry = CollectorRegistry()
-    ExtProcMetrics(registry).finished(flow, 0.01)
+    ExtProcMetrics(registry).on_finished(flow, 0.01)
     [(labels, value)] = series(registry).items()
     assert value == 1
     return labels
@@ -164,9 +164,9 @@ async def test_client_model_names_never_make_series(adapter: str, gateway: Gatew
         for payload in (body(f"unknown-{i}"), body(f"llama-{i}")):  # llama-* passes the allowlist: still unknown
             flow = await completion(adapter, gateway, payload)
             flow.finish()
-            metrics.finished(flow, 0.01)
+            metrics.on_finished(flow, 0.01)
     assert series(registry) == {("rejected", "404", "acme", ""): 2000}
     proxied = await completion(adapter, gateway, body("llama-8b"))
     proxied.finish()
-    metrics.finished(proxied, 0.01)
+    metrics.on_finished(proxied, 0.01)
     assert len(series(registry)) == 2
