@@ -11,7 +11,7 @@ Each is run for a tenant with no rate limit (in-flight slot only), with the loca
 redis-server started for the run on loopback). Variants alternate round by round so machine noise
 hits them alike; the ratio to the local-only variant is the result.
 
-    .venv/bin/python benchmarks/admission.py [--quick] [--no-write]
+    .venv/bin/python -m benchmarks.admission [--quick] [--no-write]
 """
 
 from __future__ import annotations
@@ -26,26 +26,25 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-import grpc  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
+from benchmarks._extproc import envoy_messages
+from benchmarks._proc import cpu_seconds
+from benchmarks._report import table, write_section
+from modeldock.admission.limits import Admission
+from modeldock.bench.stats import nearest_rank
+from modeldock.clock import SystemClock
+from modeldock.config import Config, hash_key, parse_config
+from modeldock.devstack.redis_server import RedisServer
+from modeldock.extproc.app import build_picker
+from modeldock.extproc.flow import RequestFlow
+from modeldock.extproc.wire import add_servicer
+from modeldock.gateway import Gateway
+from modeldock.types import Endpoint
 
-from benchmarks._extproc import envoy_messages  # noqa: E402
-from benchmarks._proc import cpu_seconds  # noqa: E402
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.admission.limits import Admission  # noqa: E402
-from modeldock.clock import SystemClock  # noqa: E402
-from modeldock.config import Config, hash_key, parse_config  # noqa: E402
-from modeldock.extproc.app import build_picker  # noqa: E402
-from modeldock.extproc.flow import RequestFlow  # noqa: E402
-from modeldock.extproc.wire import add_servicer  # noqa: E402
-from modeldock.gateway import Gateway  # noqa: E402
-from modeldock.types import Endpoint  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
-
-COMMAND = ".venv/bin/python benchmarks/admission.py"
+COMMAND = ".venv/bin/python -m benchmarks.admission"
 MODEL = "m"
 BIG = 10**9  # a limit never reached, so every request pays for the check and is admitted
 KEYS = {"free": "bench-free-key", "limited": "bench-limited-key"}
@@ -245,11 +244,6 @@ def us(ns: float) -> str:
     return f"{ns / 1000:.1f}"
 
 
-def pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(int(len(s) * q), len(s) - 1)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs, to check the script works")
@@ -271,28 +265,28 @@ def main() -> None:
     server_name = Path(redis.binary).name
 
     rows = []
-    base = {kind: statistics.median(local[kind]["local windows"]) for kind in ("decision", "flow")}
+    base = {kind: nearest_rank(local[kind]["local windows"], 50) for kind in ("decision", "flow")}
     for v in VARIANTS:
         d, f = local["decision"][v], local["flow"][v]
-        rows.append([v, us(statistics.median(d)), us(pct(d, 0.99)), f"{local_cpu['decision'][v]:.1f}",
-                     f"{statistics.median(d) / base['decision']:.2f}",
-                     us(statistics.median(f)), us(pct(f, 0.99)), f"{local_cpu['flow'][v]:.1f}",
-                     f"{statistics.median(f) / base['flow']:.2f}"])
+        rows.append([v, us(nearest_rank(d, 50)), us(nearest_rank(d, 99)), f"{local_cpu['decision'][v]:.1f}",
+                     f"{nearest_rank(d, 50) / base['decision']:.2f}",
+                     us(nearest_rank(f, 50)), us(nearest_rank(f, 99)), f"{local_cpu['flow'][v]:.1f}",
+                     f"{nearest_rank(f, 50) / base['flow']:.2f}"])
     tp_rows = []
     tp_base = tp["local windows"]["streams"] / tp["local windows"]["wall"]
     for v in VARIANTS:
         r = tp[v]
         rate = r["streams"] / r["wall"]
-        tp_rows.append([v, f"{rate:,.0f}", f"{rate / tp_base:.2f}", f"{pct(r['lat'], 0.5) * 1000:.1f}",
-                        f"{pct(r['lat'], 0.99) * 1000:.1f}", f"{r['cpu'] / r['wall'] * 100:.0f}%",
+        tp_rows.append([v, f"{rate:,.0f}", f"{rate / tp_base:.2f}", f"{nearest_rank(r['lat'], 50) * 1000:.1f}",
+                        f"{nearest_rank(r['lat'], 99) * 1000:.1f}", f"{r['cpu'] / r['wall'] * 100:.0f}%",
                         f"{cpu_per_stream(r):.0f}", f"{1e6 / cpu_per_stream(r):,.0f}",
                         f"{r['redis_cpu'] / r['wall'] * 100:.0f}%", r["refused"]])
-    redis_decision = statistics.median(local["decision"]["local + Redis"]) / base["decision"]
+    redis_decision = nearest_rank(local["decision"]["local + Redis"], 50) / base["decision"]
     # Means here, to compare with CPU time (also a mean): wall added per decision, and CPU added per decision.
     redis_decision_us = (statistics.fmean(local["decision"]["local + Redis"])
                          - statistics.fmean(local["decision"]["local windows"])) / 1000
     redis_decision_cpu_us = local_cpu["decision"]["local + Redis"] - local_cpu["decision"]["local windows"]
-    redis_flow = statistics.median(local["flow"]["local + Redis"]) / base["flow"]
+    redis_flow = nearest_rank(local["flow"]["local + Redis"], 50) / base["flow"]
     redis_tp = tp["local + Redis"]["streams"] / tp["local + Redis"]["wall"] / tp_base
     redis_cpu = cpu_per_stream(tp["local + Redis"]) / cpu_per_stream(tp["local windows"])
     redis_cpu_us = cpu_per_stream(tp["local + Redis"]) - cpu_per_stream(tp["local windows"])

@@ -11,7 +11,7 @@ Four measurements in one run:
              chunks, all FULL_DUPLEX_STREAMED), and PickerFlow alone
 The servers run in a subprocess so their CPU is read from /proc apart from the client's.
 
-    .venv/bin/python benchmarks/extproc_cost.py [--streams 3000]
+    .venv/bin/python -m benchmarks.extproc_cost [--streams 3000]
 """
 
 from __future__ import annotations
@@ -21,24 +21,22 @@ import asyncio
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-import grpc  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
-
-from benchmarks._extproc import envoy_messages, picker_messages, response_headers_message  # noqa: E402
-from benchmarks._proc import cpu_seconds  # noqa: E402
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.clock import SystemClock  # noqa: E402
-from modeldock.config import hash_key, parse_config  # noqa: E402
-from modeldock.extproc.app import build_picker  # noqa: E402
-from modeldock.extproc.flow import RequestFlow  # noqa: E402
-from modeldock.extproc.wire import add_servicer  # noqa: E402
-from modeldock.gateway import Gateway  # noqa: E402
-from tests.support.extproc_messages import make_gateway  # noqa: E402
+from benchmarks._extproc import envoy_messages, picker_messages, response_headers_message
+from benchmarks._proc import cpu_seconds
+from benchmarks._report import table, write_section
+from modeldock.bench.stats import nearest_rank
+from modeldock.clock import SystemClock
+from modeldock.config import hash_key, parse_config
+from modeldock.extproc.app import build_picker
+from modeldock.extproc.flow import RequestFlow
+from modeldock.extproc.wire import add_servicer
+from modeldock.gateway import Gateway
+from tests.support.extproc_messages import make_gateway
 
 CONFIG = {"tenants": [{"id": "t", "api_key_hashes": [hash_key("bench-key")], "models": ["m"]}],
           "models": [{"name": "m", "endpoints": ["127.0.0.1:1", "127.0.0.1:2"]}]}
@@ -120,8 +118,7 @@ async def drive(kind: str, port: int, pid: int, streams: int, concurrency: int) 
         before = cpu_seconds(pid)
         await asyncio.gather(*(worker(streams // concurrency) for _ in range(concurrency)))
         used = cpu_seconds(pid) - before
-    lat.sort()
-    return lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.99)] * 1000, used / len(lat) * 1000
+    return nearest_rank(lat, 50) * 1000, nearest_rank(lat, 99) * 1000, used / len(lat) * 1000
 
 
 def logic_cost(rounds: int, kind: str = "modeldock") -> float:
@@ -202,7 +199,7 @@ def main() -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section("extproc-cost", "Where ext_proc's time goes", ".venv/bin/python benchmarks/extproc_cost.py",
+        write_section("extproc-cost", "Where ext_proc's time goes", ".venv/bin/python -m benchmarks.extproc_cost",
                       body)
 
 

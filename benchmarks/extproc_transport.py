@@ -11,7 +11,7 @@ Rounds interleave the listeners. This is the floor under any Python ext_proc's c
 modeldock's logic comes on top (see gateway_latency.py, "gateway - floor").
 
     .venv/bin/pip install grpclib uvloop   # not modeldock dependencies; rows are skipped without them
-    .venv/bin/python benchmarks/extproc_transport.py
+    .venv/bin/python -m benchmarks.extproc_transport
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._proc import cpu_seconds  # noqa: E402
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.envoy import envoy_binary  # noqa: E402
-from modeldock.up import free_port  # noqa: E402
+from benchmarks._proc import cpu_seconds
+from benchmarks._report import table, write_section
+from modeldock.bench.stats import nearest_rank
+from modeldock.envoy import envoy_binary
+from modeldock.up import free_port
 
 MODE = {"request_header_mode": "SKIP", "request_body_mode": "BUFFERED", "response_header_mode": "SKIP",
         "response_body_mode": "NONE"}
@@ -152,10 +151,6 @@ async def drive(port: int, requests: int, concurrency: int) -> list[float]:
     return sorted(latencies)
 
 
-def pct(values: list[float], p: float) -> float:
-    return values[max(0, -(-len(values) * p // 100) - 1)] * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
@@ -208,7 +203,8 @@ def main() -> None:
                         before = cpu_seconds(pid)
                         lat = asyncio.run(drive(port, args.requests, c))
                         cpu = (cpu_seconds(pid) - before) / len(lat) * 1000 if name in servers else 0.0
-                        results.setdefault((name, c), []).append((pct(lat, 50), pct(lat, 99), cpu))
+                        p50, p99 = nearest_rank(lat, 50) * 1000, nearest_rank(lat, 99) * 1000
+                        results.setdefault((name, c), []).append((p50, p99, cpu))
         finally:
             if envoy is not None:
                 envoy.terminate()
@@ -242,7 +238,7 @@ def main() -> None:
         print("not writing docs/benchmarks.md without every stack: .venv/bin/pip install grpclib uvloop")
     elif not args.no_write:
         write_section("extproc-transport", "ext_proc floor by gRPC stack",
-                      ".venv/bin/pip install grpclib uvloop && .venv/bin/python benchmarks/extproc_transport.py",
+                      ".venv/bin/pip install grpclib uvloop && .venv/bin/python -m benchmarks.extproc_transport",
                       body)
 
 

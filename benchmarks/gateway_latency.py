@@ -18,7 +18,7 @@ Reports end-to-end p50/p99 of a one-token streamed completion at several
 concurrencies, ext_proc CPU-seconds per 1,000 requests (Envoy's for scale), and
 ext_proc RSS with 1,000 streams open.
 
-    .venv/bin/python benchmarks/gateway_latency.py [--requests 500] [--rounds 3]
+    .venv/bin/python -m benchmarks.gateway_latency [--requests 500] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -33,17 +33,16 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.bench import BenchOptions, run_benchmark  # noqa: E402
-from modeldock.bench.metrics import e2e  # noqa: E402
-from modeldock.config import hash_key  # noqa: E402
-from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap  # noqa: E402
-from modeldock.up import Child, Supervisor, free_port  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
-from tests.support.stack import API_KEY, Stack, running_stack, wait_until  # noqa: E402
+from benchmarks._proc import cpu_seconds, rss_mb
+from benchmarks._report import table, write_section
+from modeldock.bench import BenchOptions, run_benchmark
+from modeldock.bench.metrics import e2e
+from modeldock.bench.stats import nearest_rank
+from modeldock.config import hash_key
+from modeldock.devstack.redis_server import RedisServer
+from modeldock.devstack.stack import API_KEY, Stack, running_stack, wait_until
+from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.up import Child, Supervisor, free_port
 
 BUDGET_KEY = "md-bench-budgeted-tenant-key"
 
@@ -146,8 +145,8 @@ async def measure(url: str, token: str | None, concurrency: int, requests: int) 
 
 
 def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, -(-len(ordered) * p // 100) - 1)] * 1000 if ordered else float("nan")
+    """The nearest-rank p-th percentile in milliseconds (NaN for no values): modeldock.bench's rule."""
+    return nearest_rank(values, p) * 1000 if values else float("nan")
 
 
 async def open_streams(url: str, count: int) -> tuple[aiohttp.ClientSession, list[asyncio.Task[None]]]:
@@ -315,7 +314,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(body)
     if not args.no_write:
         write_section("gateway-latency", "Gateway added latency, ext_proc CPU and memory",
-                      ".venv/bin/python benchmarks/gateway_latency.py", body)
+                      ".venv/bin/python -m benchmarks.gateway_latency", body)
 
 
 def _up(url: str) -> bool:

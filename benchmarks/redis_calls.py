@@ -21,7 +21,7 @@ round by round; the best round counts (noise only adds).
 The header says which parser ran (hiredis comes with `redis[hiredis]`). Writes the `redis-calls`
 section of docs/benchmarks.md (not with --no-write or --only).
 
-    .venv/bin/python benchmarks/redis_calls.py [--pairs 2000] [--rounds 3]
+    .venv/bin/python -m benchmarks.redis_calls [--pairs 2000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -29,28 +29,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.utils import HIREDIS_AVAILABLE
 
-from redis.asyncio import ConnectionPool, Redis  # noqa: E402
-from redis.asyncio.retry import Retry  # noqa: E402
-from redis.backoff import NoBackoff  # noqa: E402
-from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
-
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.admission.redis_window import run_script  # noqa: E402
-from modeldock.budgets.budgets import TokenBudgets  # noqa: E402
-from modeldock.budgets.redis_batch import RedisBatch, Script  # noqa: E402
-from modeldock.budgets.redis_window import RESERVE_LUA, SETTLE_LUA  # noqa: E402
-from modeldock.budgets.tokens import Usage  # noqa: E402
-from modeldock.clock import SystemClock  # noqa: E402
-from modeldock.config import Config, LimitsConfig, ModelConfig, TenantConfig, hash_key  # noqa: E402
-from modeldock.redis_client import make_redis_client  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+from benchmarks._report import table, write_section
+from modeldock.admission.redis_window import run_script
+from modeldock.budgets.budgets import TokenBudgets
+from modeldock.budgets.redis_batch import RedisBatch, Script
+from modeldock.budgets.redis_window import RESERVE_LUA, SETTLE_LUA
+from modeldock.budgets.tokens import Usage
+from modeldock.clock import SystemClock
+from modeldock.config import Config, LimitsConfig, ModelConfig, TenantConfig, hash_key
+from modeldock.devstack.redis_server import RedisServer
+from modeldock.redis_client import make_redis_client
 
 KEYS = ["bench:{t}:minute", "bench:{t}:minute:amt", "bench:{t}:day", "bench:{t}:day:amt"]
 TIMEOUT_S = 1.0
@@ -239,7 +235,7 @@ async def main() -> None:
           "one bare round trip, the floor of any shape that waits for Redis on the request path."
     )
     write_section("redis-calls", "Token-budget Redis calls by shape (client CPU)",
-                  ".venv/bin/python benchmarks/redis_calls.py", body)
+                  ".venv/bin/python -m benchmarks.redis_calls", body)
 
 
 if __name__ == "__main__":

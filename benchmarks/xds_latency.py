@@ -13,14 +13,15 @@ four wall-clock times are taken (all processes read the same system clock):
     t3  Envoy applied the EDS update: the cluster's `update_time` stat (ms),
         read once its `membership_change` counter has moved    (push + apply)
 
-    .venv/bin/python benchmarks/xds_latency.py             # writes the xds-latency section of docs/benchmarks.md
-    .venv/bin/python benchmarks/xds_latency.py --no-write  # print only
+    .venv/bin/python -m benchmarks.xds_latency             # writes the xds-latency section of docs/benchmarks.md
+    .venv/bin/python -m benchmarks.xds_latency --no-write  # print only
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 import statistics
 import subprocess
@@ -32,18 +33,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import yaml
 
-import yaml  # noqa: E402
-
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.config import load_config  # noqa: E402
-from modeldock.discovery.snapshot import Snapshot  # noqa: E402
-from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap  # noqa: E402
-from modeldock.up import free_port  # noqa: E402
+from benchmarks._report import table, write_section
+from modeldock.bench.stats import nearest_rank
+from modeldock.config import load_config
+from modeldock.discovery.snapshot import Snapshot
+from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.up import free_port
 
 NAMESPACE, PORT_NAME, PORT = "llm", "http", 8000
-COMMAND = ".venv/bin/python benchmarks/xds_latency.py"
+COMMAND = ".venv/bin/python -m benchmarks.xds_latency"
 # Envoy must not outlive this script, even if it is killed: PR_SET_PDEATHSIG survives execve.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; "
@@ -252,13 +252,9 @@ def run(models: int, per_model: int, changes: int, gap: float, poll: float) -> l
 # ---- report ------------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def row(label: str, models: int, per_model: int, values: list[float]) -> list[object]:
-    return [f"{models} x {per_model}", label, f"{pct(values, 0.5) * 1000:.1f}", f"{pct(values, 0.99) * 1000:.1f}",
+    return [f"{models} x {per_model}", label, f"{nearest_rank(values, 50) * 1000:.1f}",
+            f"{nearest_rank(values, 99) * 1000:.1f}",
             f"{max(values) * 1000:.1f}"]
 
 
@@ -289,7 +285,8 @@ moved). One Envoy (`--concurrency 1`) is the only ADS client.
 
 {chr(10).join(f"- {r}" for r in ratios)}
 
-p99 is sample {round(0.99 * (changes - 1)) + 1} of {changes} sorted (nearest rank). Discovery is the official
+p99 is sample {math.ceil(changes * 99 / 100)} of {changes} sorted (nearest rank, as modeldock.bench).
+Discovery is the official
 `kubernetes` client (a watch thread per Service, JSON decoded into model objects) against the fake API
 server, which runs in the benchmark process; rebuild includes waiting for the xDS server's event loop;
 push + apply is the ADS stream (SotW) and Envoy's EDS update on its main thread. Every Service's watch

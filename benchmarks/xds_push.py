@@ -11,8 +11,8 @@ clients and per one-model change, and its RSS (from /proc/<pid>/status).
 A change is triggered with SIGUSR1 in a small server wrapper (`--serve`), so
 the figures are the push alone, not a config-file re-read.
 
-    .venv/bin/python benchmarks/xds_push.py            # writes the xds-push section of docs/benchmarks.md
-    .venv/bin/python benchmarks/xds_push.py --no-write # print only
+    .venv/bin/python -m benchmarks.xds_push            # writes the xds-push section of docs/benchmarks.md
+    .venv/bin/python -m benchmarks.xds_push --no-write # print only
 """
 
 from __future__ import annotations
@@ -30,28 +30,26 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpc
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-import grpc  # noqa: E402
-import yaml  # noqa: E402
-from envoy.config.core.v3 import base_pb2  # noqa: E402
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2  # noqa: E402
-
-from benchmarks._proc import cpu_seconds, rss_mb  # noqa: E402
-from benchmarks._report import table, write_section  # noqa: E402
-from modeldock.clock import FakeClock  # noqa: E402
-from modeldock.config import ModelConfig, load_config  # noqa: E402
-from modeldock.discovery.snapshot import Snapshot, SnapshotStore  # noqa: E402
-from modeldock.types import Endpoint  # noqa: E402
-from modeldock.xds.builder import ResourceBuilder  # noqa: E402
-from modeldock.xds.cache import ResourceCache, ResourceSet  # noqa: E402
-from modeldock.xds.delta import DeltaStream  # noqa: E402
-from modeldock.xds.protocol import SotwStream  # noqa: E402
-from modeldock.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE, cluster_name  # noqa: E402
+from benchmarks._proc import cpu_seconds, rss_mb
+from benchmarks._report import table, write_section
+from modeldock.clock import FakeClock
+from modeldock.config import ModelConfig, load_config
+from modeldock.discovery.snapshot import Snapshot, SnapshotStore
+from modeldock.types import Endpoint
+from modeldock.xds.builder import ResourceBuilder
+from modeldock.xds.cache import ResourceCache, ResourceSet
+from modeldock.xds.delta import DeltaStream
+from modeldock.xds.protocol import SotwStream
+from modeldock.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE, cluster_name
 
 MODELS = 100
 SIZES = (10, 1_000, 10_000)
-COMMAND = ".venv/bin/python benchmarks/xds_push.py"
+COMMAND = ".venv/bin/python -m benchmarks.xds_push"
 
 
 # ---- part 1: in-process build and stream costs --------------------------------------------------

@@ -10,8 +10,8 @@ is Envoy, HTTP and a shared CPU. It answers questions of policy and of estimatio
 smaller requests pass a head that does not fit, what the paged margin costs, what an ending frees)
 in seconds per seed, deterministically, instead of minutes of noisy phases.
 
-    .venv/bin/python benchmarks/overload/ceiling.py                    # seeds 1-5, writes the `ceiling` section
-    .venv/bin/python benchmarks/overload/ceiling.py --seeds 2 --no-write
+    .venv/bin/python -m benchmarks.overload.ceiling                    # seeds 1-5, writes the `ceiling` section
+    .venv/bin/python -m benchmarks.overload.ceiling --seeds 2 --no-write
 
 Modelled as in run.py's defaults: 3 backends (the last at half speed), max_num_seqs 4, 112 blocks
 of 16 tokens, the mix, 1.15x the capacity for 30 s. The capacity is the same closed loop as
@@ -32,28 +32,23 @@ import argparse
 import heapq
 import itertools
 import random
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks._report import table, write_section  # noqa: E402
-from benchmarks.overload import plan  # noqa: E402
-from benchmarks.routing.workloads import Request  # noqa: E402
-from modeldock.bench.stats import nearest_rank  # noqa: E402
-from modeldock.clock import FakeClock  # noqa: E402
-from modeldock.config import RoutingConfig  # noqa: E402
-from modeldock.flowcontrol import QueueConfig  # noqa: E402
-from modeldock.flowcontrol.cost import estimate_cost  # noqa: E402
-from modeldock.flowcontrol.queue import BACKFILL_SCAN, BACKFILL_TRIES  # noqa: E402
-from modeldock.gateway.director import SHED_AFTER  # noqa: E402
-from modeldock.picking import Lease, Sample, Saturated  # noqa: E402
-from modeldock.picking.factory import build_picker  # noqa: E402
-from modeldock.sim.config import SimConfig  # noqa: E402
-from modeldock.sim.engine import Engine, StepResult  # noqa: E402
-from modeldock.types import Endpoint  # noqa: E402
+from benchmarks._report import table, write_section
+from benchmarks.overload import plan
+from benchmarks.routing.workloads import Request
+from modeldock.bench.stats import nearest_rank
+from modeldock.clock import FakeClock
+from modeldock.config import RoutingConfig
+from modeldock.flowcontrol import QueueConfig
+from modeldock.flowcontrol.cost import estimate_cost
+from modeldock.flowcontrol.queue import BACKFILL_SCAN, BACKFILL_TRIES, SHED_AFTER
+from modeldock.picking import Lease, Sample, Saturated
+from modeldock.picking.factory import build_picker
+from modeldock.sim.config import SimConfig
+from modeldock.sim.engine import Engine, StepResult
+from modeldock.types import Endpoint
 
 
 @dataclass(frozen=True)
@@ -366,7 +361,7 @@ def main() -> int:
         "section) adds Envoy, HTTP and a shared CPU to that. One seed's figures move by a point or two with "
         "any small change (which request meets which free slot); compare policies over the seeds."
     )
-    command = ".venv/bin/python benchmarks/overload/ceiling.py" + (f" --seeds {args.seeds}" if args.seeds != "1,2,3,4,5"
+    command = ".venv/bin/python -m benchmarks.overload.ceiling" + (f" --seeds {args.seeds}" if args.seeds != "1,2,3,4,5"
                                                                   else "")
     if args.no_write:
         print(body)

@@ -21,7 +21,7 @@ from benchmarks.routing.driver import Timed, drive
 from benchmarks.routing.promhist import Histogram, parse_histogram
 from benchmarks.routing.stacks import MODEL, get_text, sim_args, wait_idle, warm, with_policy
 from benchmarks.routing.workloads import Request, Workload
-from tests.support.stack import API_KEY, Stack, running_stack
+from modeldock.devstack.stack import API_KEY, Stack, running_stack
 
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"

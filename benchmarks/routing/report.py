@@ -199,7 +199,7 @@ all {args.backends} backends, which then have to hold, or recompute, every group
     body = f"""
 {args.backends} simulated vLLM backends (`modeldock sim {' '.join(sim_args(args))}`: {args.max_num_seqs} running
 sequences at most, a KV cache of {args.num_gpu_blocks} blocks = {args.num_gpu_blocks * 16:,} tokens each, prefix
-caching on) behind the real gateway (Envoy + ext_proc + xDS, started by `tests/support/stack.py`), one fresh
+caching on) behind the real gateway (Envoy + ext_proc + xDS, started by `modeldock/devstack/stack.py`), one fresh
 stack per policy. Every policy gets exactly the same seeded requests (seed {args.seed}), sent **open-loop**: each
 request leaves at its planned time whatever the latency of the others (Poisson arrivals, plus bursts), so a
 backend that routing overloads builds a queue and the queue shows in TTFT. A closed loop would slow down

@@ -19,8 +19,8 @@ from benchmarks.routing.driver import DriveResult, Timed, drive
 from benchmarks.routing.stacks import MODEL, drive_model, sim_args, sim_stats, wait_idle, warm, with_routing
 from benchmarks.routing.workloads import Request, Workload
 from modeldock.bench.stats import nearest_rank
+from modeldock.devstack.stack import API_KEY, running_stack, start_sims
 from modeldock.up import Supervisor
-from tests.support.stack import API_KEY, running_stack, start_sims
 
 
 def component(name: str) -> str:

@@ -1,7 +1,7 @@
 """Routing quality of the picking policies, side by side in one run, behind the real gateway.
 
 For each policy (round_robin, least_request, seed, default) a fresh stack is started with
-`tests.support.stack.running_stack` (M simulated vLLM backends + xDS + ext_proc + Envoy, the policy
+`modeldock.devstack.stack.running_stack` (M simulated vLLM backends + xDS + ext_proc + Envoy, the policy
 set in `routing.policy`), and the same seeded workloads are sent open-loop through Envoy. The whole
 rotation runs twice, the second time in reverse order, so slow drift of the shared machine hits
 every policy alike. Then:
@@ -15,8 +15,8 @@ every policy alike. Then:
 
 Writes the `routing` and `cross-check` sections of docs/benchmarks.md and docs/routing.png.
 
-    .venv/bin/python benchmarks/routing/run.py              # ~7.5 minutes on 2 cores
-    .venv/bin/python benchmarks/routing/run.py --quick      # a smoke run, ~3 minutes, writes nothing
+    .venv/bin/python -m benchmarks.routing.run              # ~7.5 minutes on 2 cores
+    .venv/bin/python -m benchmarks.routing.run --quick      # a smoke run, ~3 minutes, writes nothing
 """
 
 from __future__ import annotations
@@ -24,32 +24,29 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks._report import write_section  # noqa: E402
-from benchmarks.routing.cross_report import cross_section  # noqa: E402
-from benchmarks.routing.crosscheck import Cross, Probe, run_cross_checks  # noqa: E402
-from benchmarks.routing.driver import Timed  # noqa: E402
-from benchmarks.routing.plot import plot  # noqa: E402
-from benchmarks.routing.report import routing_body  # noqa: E402
-from benchmarks.routing.rotations import Run, run_affinity, run_rotations  # noqa: E402
-from benchmarks.routing.stacks import build_workloads  # noqa: E402
+from benchmarks._report import write_section
+from benchmarks.routing.cross_report import cross_section
+from benchmarks.routing.crosscheck import Cross, Probe, run_cross_checks
+from benchmarks.routing.driver import Timed
+from benchmarks.routing.plot import plot
+from benchmarks.routing.report import routing_body
+from benchmarks.routing.rotations import Run, run_affinity, run_rotations
+from benchmarks.routing.stacks import build_workloads
 
 # Run, Cross and Probe must stay names of this module: raw.pickle files written when they were defined
 # here call them `__main__.Run` etc., and `--report-from` still reads those files.
 __all__ = ["Cross", "Probe", "Run", "main"]
 
+ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("round_robin", "least_request", "seed", "default")
 DOC_PNG = ROOT / "docs" / "routing.png"
-COMMAND = ".venv/bin/python benchmarks/routing/run.py"
+COMMAND = ".venv/bin/python -m benchmarks.routing.run"
 
 
 def main() -> int:

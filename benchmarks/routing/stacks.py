@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.routing.driver import DriveResult, drive
 from benchmarks.routing.workloads import WORKLOADS, Request, Workload
-from tests.support.stack import wait_until
+from modeldock.devstack.stack import wait_until
 
 MODEL = "demo-model"
 
