@@ -48,7 +48,8 @@ class Routed:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A routed request whose stream ended, waiting for its usage (settlement.py)."""
+    """A routed request whose stream ended: what `Gateway.settle` needs. Built by the registry
+    (lifecycle.py, `Outcome.finished`) and settled once, at once or when its usage report comes."""
 
     routed: Routed
     rid: str
