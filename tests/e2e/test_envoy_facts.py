@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
@@ -26,7 +25,7 @@ from modeldock.errors import Unauthorized
 from modeldock.extproc import responses
 from modeldock.extproc.wire import parse_request
 from modeldock.xds.resources import cluster_name
-from tests.support.access_log import AccessLogCollector
+from tests.support.access_log import access_log_server
 from tests.support.envoy_rig import ATTRS, BODY, Rig, envoy_rig, route
 
 pytestmark = pytest.mark.e2e
@@ -291,12 +290,7 @@ def _with_hcm_grpc_access_log(port: int) -> Callable[[dict[str, Any]], None]:
                                            ("api-key", "sk-raw-3")])
 async def test_the_upstream_credential_comes_from_metadata_and_leaves_no_trace(tmp_path: Path, header: str,
                                                                                value: str) -> None:
-    collector = AccessLogCollector()
-    als = grpc.aio.server()
-    collector.add_to(als)
-    als_port = als.add_insecure_port("127.0.0.1:0")
-    await als.start()
-    try:
+    async with access_log_server() as (collector, als_port):
         async with envoy_rig(tmp_path, edit=_with_hcm_grpc_access_log(als_port)) as rig:
             rig.extproc.answer = lambda _r: responses.route_request_body(
                 cluster_name("m"), f"127.0.0.1:{rig.ports[0]}", model="m", rid="r-1",
@@ -323,5 +317,3 @@ async def test_the_upstream_credential_comes_from_metadata_and_leaves_no_trace(t
             assert value.encode() not in heard.entry.SerializeToString()
             lines = await rig.access_log(2)
             assert value not in rig.log.read_text() and "client-key" not in rig.log.read_text(), lines
-    finally:
-        await als.stop(None)

@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
@@ -26,7 +25,7 @@ from modeldock.extproc.attempts import usage_reports
 from modeldock.gateway.settlement import UsageReport
 from modeldock.up import free_port
 from modeldock.xds.resources import cluster_name
-from tests.support.access_log import AccessLogCollector
+from tests.support.access_log import AccessLogCollector, access_log_server
 from tests.support.envoy_rig import BODY, Rig, envoy_rig
 from tests.support.extproc_messages import usage_log_message
 from tests.support.scripted_backend import (
@@ -100,24 +99,19 @@ class Outcome:
 async def outcome(tmp_path: Path, replies: list[Reply], *, refusing: int = 0, rid: str,
                   listener: ListenerConfig | None = None) -> AsyncIterator[Outcome]:
     """Backends answering with `replies` (tried in this order), after `refusing` ports nobody listens on."""
-    logs = AccessLogCollector()
-    server = grpc.aio.server()
-    logs.add_to(server)
-    log_port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    backends = [ScriptedBackend(reply) for reply in replies]
-    try:
-        ports = [free_port() for _ in range(refusing)] + [await b.start() for b in backends]
-        async with envoy_rig(tmp_path, listener=listener, edit=rig_edit(ports, log_port)) as rig:
-            rig.upstream.close()  # the rig's own upstreams refuse too: no fallback answers
-            endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
-            rig.extproc.answer = lambda _r: responses.route_request_body(
-                cluster_name("m"), endpoints, model="m", rid=rid, usage=True)
-            yield Outcome(rig, backends, logs)
-    finally:
-        for backend in backends:
-            await backend.close()
-        await server.stop(None)
+    async with access_log_server() as (logs, log_port):
+        backends = [ScriptedBackend(reply) for reply in replies]
+        try:
+            ports = [free_port() for _ in range(refusing)] + [await b.start() for b in backends]
+            async with envoy_rig(tmp_path, listener=listener, edit=rig_edit(ports, log_port)) as rig:
+                rig.upstream.close()  # the rig's own upstreams refuse too: no fallback answers
+                endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
+                rig.extproc.answer = lambda _r: responses.route_request_body(
+                    cluster_name("m"), endpoints, model="m", rid=rid, usage=True)
+                yield Outcome(rig, backends, logs)
+        finally:
+            for backend in backends:
+                await backend.close()
 
 
 async def post(rig: Rig) -> tuple[int, bytes]:

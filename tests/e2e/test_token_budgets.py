@@ -28,6 +28,7 @@ from modeldock.config import hash_key
 from modeldock.usage.record import UsageRecord
 from tests.support.redis_server import RedisServer
 from tests.support.stack import API_KEY, Sim, Stack, running_stack, wait_until
+from tests.support.usage_records import read_usage_records, wait_for_usage_record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -60,21 +61,10 @@ class Env:
         return int(value or 0)
 
     def records(self) -> list[UsageRecord]:
-        found = []
-        for path in sorted(self.usage_dir.glob("usage.*.jsonl")):
-            found += [UsageRecord.from_json(line) for line in path.read_text().splitlines() if line.strip()]
-        return found
+        return read_usage_records(self.usage_dir, "usage.*.jsonl")
 
     def record(self, client_id: str) -> UsageRecord:
-        matches: list[UsageRecord] = []
-
-        def found() -> bool:
-            matches[:] = [r for r in self.records() if r.client_request_id == client_id]
-            return bool(matches)
-
-        wait_until(found, 10, what=f"the usage record of {client_id}")
-        assert len(matches) == 1, matches
-        return matches[0]
+        return wait_for_usage_record(self.records, client_id)
 
     def settled(self) -> bool:
         """Every replica's pending settlements table is empty and nothing is in flight."""

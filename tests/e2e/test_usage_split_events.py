@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from modeldock.budgets.tokens import Usage
@@ -71,12 +70,8 @@ class SplitRig:
 
 
 @pytest.fixture
-async def split(tmp_path: Path) -> AsyncIterator[SplitRig]:
-    logs = AccessLogCollector()
-    server = grpc.aio.server()
-    logs.add_to(server)
-    log_port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+async def split(tmp_path: Path, access_log: tuple[AccessLogCollector, int]) -> AsyncIterator[SplitRig]:
+    logs, log_port = access_log
 
     async def unset(_request: BackendRequest, _writer: asyncio.StreamWriter) -> None:
         raise AssertionError("each test sets the reply")
@@ -88,7 +83,6 @@ async def split(tmp_path: Path) -> AsyncIterator[SplitRig]:
             yield SplitRig(rig, backend, port, logs)
     finally:
         await backend.close()
-        await server.stop(None)
 
 
 def pieces_at(cut: int) -> list[bytes]:

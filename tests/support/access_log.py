@@ -3,6 +3,9 @@
     collector = AccessLogCollector()
     collector.add_to(grpc_aio_server)
     entry = await collector.wait_for(lambda e: e.request.request_id == rid)
+
+    async with access_log_server() as (collector, port):  # a loopback server of its own, stopped on exit
+        ...
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -61,3 +65,17 @@ class AccessLogCollector:
             response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString,
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamAccessLogs": handler}),))
+
+
+@asynccontextmanager
+async def access_log_server() -> AsyncIterator[tuple[AccessLogCollector, int]]:
+    """A collector served on a loopback port of its own: (collector, port), for Envoy's access-log cluster."""
+    collector = AccessLogCollector()
+    server = grpc.aio.server()
+    collector.add_to(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield collector, port
+    finally:
+        await server.stop(None)
