@@ -12,7 +12,8 @@ The client's x-request-id is never the key: two live requests may share it.
 The same service also hears Envoy's per-request usage log (`log_name` USAGE_LOG_NAME, an HCM access
 log sent only for requests ext_proc marked `modeldock:usage`): one entry when the request ends, with
 the backend's `usage` copied into dynamic metadata by json_to_metadata / sse_to_metadata
-(`modeldock.usage`), read here into `UsageReport`s for the settlement (gateway/settlement.py): whether the
+(`modeldock.usage`), read here into `UsageReport`s for the settlement (the app hands both kinds to the
+registry, gateway/lifecycle.py: `Lifecycle.retried`, `Lifecycle.reported`): whether the
 request reached a backend, and how it ended (the Envoy facts each field rests on: docs/envoy.md).
 """
 
