@@ -27,7 +27,7 @@ from weakref import WeakKeyDictionary
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from modeldock import replies as responses
+from modeldock import replies
 from modeldock.epp import protocol
 from modeldock.epp.usage import UsageScanner
 from modeldock.errors import PayloadTooLarge, Rejection, Unavailable
@@ -108,7 +108,7 @@ class PickerFlow(Outcome):
                 return [self._on_response_headers(request)]
             if kind == "response_trailers" and self._scanner is not None:
                 return self._on_response_trailers(self._scanner, request)
-            return [responses.continue_other(request)]
+            return [replies.continue_other(request)]
         try:
             if phase is Phase.HEADERS and kind == "request_headers":
                 return await self._on_request_headers(request)
@@ -121,7 +121,7 @@ class PickerFlow(Outcome):
             if phase is Phase.BODY and kind == "request_trailers":
                 return await self._route(trailers=True)
             if phase is Phase.DONE:
-                return [responses.continue_other(request)]
+                return [replies.continue_other(request)]
             raise Unavailable("The gateway sent the request out of order.", code="gateway_misconfigured",
                               detail=f"{kind} in phase {phase.name}")
         except Rejection as rejection:
@@ -130,7 +130,7 @@ class PickerFlow(Outcome):
             self.rejected(rejection)
             if not self._asked:  # the director logs its own refusals
                 self._log(rejection)
-            return [responses.rejection_response(rejection)]
+            return [replies.rejection_response(rejection)]
 
     # -- request ---------------------------------------------------------
 
@@ -162,7 +162,7 @@ class PickerFlow(Outcome):
             tenant, names = self._gateway.models(head)
             self._phase = Phase.DONE
             self.listed_models(tenant.id)
-            return [responses.models_response(names)]
+            return [replies.models_response(names)]
         check_route(head)  # 404 / 400 before any body is collected
         if head.content_length is not None:
             protocol_limit(head.content_length, self._gateway.max_body_bytes)
@@ -244,7 +244,7 @@ class PickerFlow(Outcome):
         """Trailers end the body: what is still held goes on before their answer."""
         self._response_ended = True
         out = scanner.feed(b"", True)
-        answer = responses.continue_other(request)
+        answer = replies.continue_other(request)
         if out and scanner.drops and self._duplex_response:
             return [protocol.echo_chunk("response_body", out, False), answer]
         return [answer]
