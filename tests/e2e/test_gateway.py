@@ -9,9 +9,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.stack import API_KEY, OTHER_KEY, Stack, raw_request, running_stack, wait_until
+from tests.support.stack import API_KEY, OTHER_KEY, Stack, raw_request, running_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("no_leaked_in_flight")]
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Real-time simulators: 20 ms per step makes streaming visible.
     with running_stack(tmp_path_factory.mktemp("gw"), sim_args=("--step-base-ms", "20", "--speed", "1")) as s:
         yield s
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_in_flight(stack: Stack) -> Iterator[None]:
-    yield
-    wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count back to 0")
 
 
 def test_chat_completion_non_streaming(stack: Stack) -> None:

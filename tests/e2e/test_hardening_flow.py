@@ -13,19 +13,13 @@ import pytest
 
 from tests.support.stack import API_KEY, OTHER_KEY, Sim, Stack, raw_request, running_stack, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("no_leaked_in_flight")]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("hardening")) as s:
         yield s
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_in_flight(stack: Stack) -> Iterator[None]:
-    yield
-    wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count back to 0")
 
 
 def _not_found(stack: Stack, model: str) -> dict[str, object]:

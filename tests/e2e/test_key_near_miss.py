@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from modeldock.config import hash_key
-from tests.support.stack import Stack, raw_request, running_stack, wait_until
+from tests.support.stack import Stack, raw_request, running_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("no_leaked_in_flight")]
 
 _RUN = secrets.token_hex(6)
 NEAR_KEY = f"md-near-miss-{_RUN}"  # stored under a hash one hex character off
@@ -41,12 +41,6 @@ def _edit(data: dict[str, Any], sims: Any) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("nearmiss"), edit_config=_edit) as s:
         yield s
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_in_flight(stack: Stack) -> Iterator[None]:
-    yield
-    wait_until(lambda: stack.in_flight() == 0, 5, what="in-flight count back to 0")
 
 
 def received(stack: Stack) -> int:
