@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from modeldock.budgets.lease import TokenLease
 from modeldock.budgets.pricing import Price, to_micros
 from modeldock.budgets.tokens import Usage, charge_for
 
-if TYPE_CHECKING:
-    from modeldock.budgets.budgets import TokenBudgets
+
+class Books(Protocol):
+    """Where a reservation settles: its budgets (`TokenBudgets`), named by what it needs so that this
+    module does not import the one that makes reservations."""
+
+    def _settle(self, reservation: Reservation, usage: Usage) -> asyncio.Future[None] | None: ...
+
 
 ReservationState = Literal["held", "settled", "refunded", "charged"]
 
@@ -33,7 +38,7 @@ class Reservation:
 
     def __init__(
         self,
-        budgets: TokenBudgets | None,
+        budgets: Books | None,
         request_id: str,
         entry_id: str,
         prompt: int,

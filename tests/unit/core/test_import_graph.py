@@ -27,8 +27,6 @@ README_FOR_NOW: dict[str, str] = {
 }
 # Cycles tolerated for now: the sorted modules of one cycle -> who is removing it.
 CYCLES_FOR_NOW: dict[tuple[str, ...], str] = {
-    # reservation.py names budgets.py's types under TYPE_CHECKING while budgets.py imports reservation.py.
-    ("modeldock.budgets.budgets", "modeldock.budgets.reservation"): "admission helper (budgets/)",
 }
 
 
