@@ -40,12 +40,12 @@ from benchmarks._report import table, write_section
 from modeldock.clock import FakeClock
 from modeldock.config import ModelConfig, load_config
 from modeldock.discovery.snapshot import Snapshot, SnapshotStore
-from modeldock.types import Endpoint
+from modeldock.types import Endpoint, cluster_name
 from modeldock.xds.builder import ResourceBuilder
 from modeldock.xds.cache import ResourceCache, ResourceSet
 from modeldock.xds.delta import DeltaStream
 from modeldock.xds.protocol import SotwStream
-from modeldock.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE, cluster_name
+from modeldock.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE
 
 MODELS = 100
 SIZES = (10, 1_000, 10_000)

@@ -1,7 +1,8 @@
 """Types shared by several packages: the ground floor, importing nothing of modeldock's.
 
 Discovery produces endpoints, xDS serves them, picking scores them and ext_proc
-routes to them; each imports `Endpoint` from here, never from a sibling package.
+routes to them; each imports `Endpoint` from here, never from a sibling package. So too the
+name of a model's Envoy cluster, which xDS serves and the director routes to (`cluster_name`).
 """
 
 from __future__ import annotations
@@ -41,3 +42,12 @@ class Endpoint:
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"port {port!r} in {text!r} is not 1-65535")
         return cls(ip.compressed, int(port))
+
+
+def cluster_name(model: str) -> str:
+    """The Envoy cluster of a model (CDS), which the director's route metadata names."""
+    return f"model:{model}"
+
+
+def model_of_cluster(name: str) -> str | None:
+    return name.removeprefix("model:") if name.startswith("model:") else None

@@ -28,7 +28,7 @@ import yaml
 
 from modeldock.config import Config, ConfigError, hash_key, load_config, parse_config
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
-from modeldock.xds.resources import cluster_name
+from modeldock.types import cluster_name
 
 DEMO_MODEL = "demo-model"
 

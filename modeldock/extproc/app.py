@@ -28,9 +28,9 @@ from modeldock.health import Health
 from modeldock.picking.factory import build_picker
 from modeldock.picking.scrape import Scraper
 from modeldock.process import freeze_startup_objects, run_until_signalled
+from modeldock.types import cluster_name
 from modeldock.usage.log import UsageLog
 from modeldock.xds.client import AdsClient
-from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
 

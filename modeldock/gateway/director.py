@@ -68,10 +68,9 @@ from modeldock.gateway.routed import Finished, Routed, ask_for_usage
 from modeldock.gateway.settlement import UsageReport
 from modeldock.picking import Picker
 from modeldock.picking.prefix import prompt_blocks
-from modeldock.types import Endpoint
+from modeldock.types import Endpoint, cluster_name
 from modeldock.usage.log import UsageLog
 from modeldock.usage.record import TokenSource, UsageRecord, new_request_id
-from modeldock.xds.resources import cluster_name
 
 log = logging.getLogger("modeldock.extproc")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from modeldock.config import ModelConfig
 from modeldock.discovery.snapshot import Snapshot
-from modeldock.types import Endpoint
+from modeldock.types import Endpoint, cluster_name
 from modeldock.xds.cache import Resource, ResourceSet, pack
 from modeldock.xds.resources import (
     CLUSTER_TYPE,
@@ -19,7 +19,6 @@ from modeldock.xds.resources import (
     build_cluster,
     build_load_assignment,
     build_status,
-    cluster_name,
 )
 
 

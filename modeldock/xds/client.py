@@ -19,13 +19,12 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
 
 from modeldock.clock import Clock
-from modeldock.types import Endpoint
+from modeldock.types import Endpoint, model_of_cluster
 from modeldock.xds.resources import (
     ENDPOINT_TYPE,
     STATUS_NAME,
     STATUS_TYPE,
     endpoints_of,
-    model_of_cluster,
     stale_models_of,
 )
 

@@ -17,7 +17,7 @@ from envoy.type.metadata.v3 import metadata_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 
 from modeldock.config import ModelConfig
-from modeldock.types import Endpoint
+from modeldock.types import Endpoint, cluster_name
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -34,14 +34,6 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 # ext_proc's own metadata namespace: the cluster (and a rewritten body's length).
 ROUTE_NAMESPACE = "modeldock"
-
-
-def cluster_name(model: str) -> str:
-    return f"model:{model}"
-
-
-def model_of_cluster(name: str) -> str | None:
-    return name.removeprefix("model:") if name.startswith("model:") else None
 
 
 def _typed(name: str, message: object) -> extension_pb2.TypedExtensionConfig:

@@ -21,7 +21,7 @@ from typing import Any
 import openai
 import pytest
 
-from modeldock.xds.resources import cluster_name
+from modeldock.types import cluster_name
 from tests.support.fake_kube import FakeKubeServer, make_slice
 from tests.support.stack import Sim, Stack, http_json, running_stack, wait_until
 

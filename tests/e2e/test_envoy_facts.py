@@ -24,7 +24,7 @@ from modeldock.envoy import BootstrapOptions, render_bootstrap
 from modeldock.errors import Unauthorized
 from modeldock.extproc import responses
 from modeldock.extproc.wire import parse_request
-from modeldock.xds.resources import cluster_name
+from modeldock.types import cluster_name
 from tests.support.access_log import access_log_server
 from tests.support.envoy_rig import ATTRS, BODY, Rig, envoy_rig, route
 

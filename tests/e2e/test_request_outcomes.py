@@ -23,8 +23,8 @@ from modeldock.config import ListenerConfig
 from modeldock.extproc import responses
 from modeldock.extproc.attempts import usage_reports
 from modeldock.gateway.settlement import UsageReport
+from modeldock.types import cluster_name
 from modeldock.up import free_port
-from modeldock.xds.resources import cluster_name
 from tests.support.access_log import AccessLogCollector, access_log_server
 from tests.support.envoy_rig import BODY, Rig, envoy_rig
 from tests.support.extproc_messages import usage_log_message

@@ -19,7 +19,7 @@ from modeldock.budgets.tokens import Usage
 from modeldock.extproc import responses
 from modeldock.extproc.attempts import usage_reports
 from modeldock.gateway.settlement import UsageReport
-from modeldock.xds.resources import cluster_name
+from modeldock.types import cluster_name
 from tests.support.access_log import AccessLogCollector
 from tests.support.envoy_rig import BODY, Rig, envoy_rig
 from tests.support.extproc_messages import usage_log_message

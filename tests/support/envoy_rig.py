@@ -27,8 +27,9 @@ from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
 from modeldock.extproc import responses
 from modeldock.extproc.attempts import AttemptLogServicer
 from modeldock.extproc.wire import parse_request
+from modeldock.types import cluster_name
 from modeldock.up import free_port
-from modeldock.xds.resources import build_cluster, cluster_name
+from modeldock.xds.resources import build_cluster
 
 ATTRS = "envoy.filters.http.ext_proc"
 BODY = b'{"model":"m","messages":[]}'

@@ -88,7 +88,7 @@ def rig_edit(backend_ports: list[int], usage_log_port: int) -> Callable[[dict[st
     the bootstrap's own usage log (log_name modeldock_usage, its filter and buffering as rendered) goes
     to a test's gRPC access log service on `usage_log_port` instead of the scripted ext_proc."""
     from modeldock.extproc.attempts import USAGE_LOG_NAME
-    from modeldock.xds.resources import cluster_name
+    from modeldock.types import cluster_name
 
     def edit(config: dict[str, Any]) -> None:
         resources = config["static_resources"]
