@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,11 +88,14 @@ class Supervisor:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, cmd: list[str]) -> Child:
+    def start(self, name: str, cmd: list[str], env: Mapping[str, str] | None = None) -> Child:
+        """Start `cmd` as a child that dies with this process, its output in `<run_dir>/<name>.log`;
+        `env`: variables added to this process's environment."""
         log = self.run_dir / f"{name}.log"
         handle = open(log, "ab")  # noqa: SIM115 (the child owns it)
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+            env={**os.environ, **env} if env else None,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         handle.close()

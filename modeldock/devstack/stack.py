@@ -15,7 +15,6 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import json  # noqa: E402
 import socket  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
@@ -29,7 +28,7 @@ import yaml  # noqa: E402
 
 from modeldock.config import Config, hash_key, parse_config  # noqa: E402
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap  # noqa: E402
-from modeldock.up import Child, Supervisor, _die_with_parent, envoy_ready, free_port  # noqa: E402
+from modeldock.up import Supervisor, envoy_ready, free_port  # noqa: E402
 
 PY = [sys.executable, "-m", "modeldock"]
 API_KEY = "md-test-key-0123456789"
@@ -240,10 +239,9 @@ def running_stack(
             name = "extproc" if i == 0 else f"extproc-{i}"
             # Each replica its own usage-record file (usage.<replica>.jsonl), as pods would have.
             replica_env = {**(extproc_env or {}), "MODELDOCK_REPLICA": name} if extproc_replicas > 1 else extproc_env
-            _start(sup, name,
-                   [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
-                    "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
-                    "--metrics-port", str(em), "--grace", "2", *extproc_args], replica_env)
+            sup.start(name, [*PY, "--log-level", log_level, "extproc", "--config", str(config_path),
+                             "--port", str(extproc_port), "--xds", f"127.0.0.1:{xds_port}",
+                             "--metrics-port", str(em), "--grace", "2", *extproc_args], replica_env)
         stack = Stack(run_dir, sup, port, admin_port, metrics_ports[0], xm, config_path, sims,
                       extproc_metrics_ports=metrics_ports, extproc_ports=extproc_ports)
         bootstrap = run_dir / "envoy.yaml"
@@ -261,21 +259,6 @@ def running_stack(
         yield stack
     finally:
         sup.stop_all(timeout=5)
-
-
-def _start(sup: Supervisor, name: str, cmd: list[str], env: Mapping[str, str] | None) -> Child:
-    """`Supervisor.start` with extra environment variables."""
-    if not env:
-        return sup.start(name, cmd)
-    log = sup.run_dir / f"{name}.log"
-    with open(log, "ab") as handle:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env},
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-        )
-    child = Child(name, proc, log)
-    sup.children.append(child)
-    return child
 
 
 def _envoy_up(admin_url: str) -> bool:
