@@ -147,8 +147,9 @@ def _start_ungated(sup: Supervisor, run_dir: Path, tmp: Path) -> tuple[str, int]
     path.write_text(_ungated(render_bootstrap(BootstrapOptions(
         listen_port=port, admin_port=admin, xds_port=port_of("modeldock_xds"),
         extproc_port=port_of("modeldock_extproc"), node_id="modeldock-ungated"))))
-    envoy = sup.start("envoy-ungated", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id",
-                                        "--log-level", "warn"])
+    # The stack's Envoy flags (its access log flushed every 20 ms): any difference but the filters shows as a ratio.
+    envoy = sup.start("envoy-ungated", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--log-level",
+                                        "warn", "--drain-time-s", "1", "--file-flush-interval-msec", "20"])
     wait_until(lambda: _up(f"http://127.0.0.1:{admin}/ready"), 20, what="ungated Envoy")
     return f"http://127.0.0.1:{port}/v1", envoy.proc.pid
 
