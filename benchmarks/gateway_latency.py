@@ -94,6 +94,7 @@ async def serve_floor(route_to: str) -> None:
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+    from modeldock import replies
     from modeldock.extproc import responses
     from modeldock.extproc.wire import add_servicer
 
@@ -103,7 +104,7 @@ async def serve_floor(route_to: str) -> None:
         async def Process(self, _requests, context):  # type: ignore[no-untyped-def]  # noqa: N802
             while (request := await context.read()) is not grpc.aio.EOF:
                 kind = request.WhichOneof("request")
-                await context.write(body if kind == "request_body" else responses.continue_other(request))
+                await context.write(body if kind == "request_body" else replies.continue_other(request))
 
     server = grpc.aio.server()
     add_servicer(Floor(), server)

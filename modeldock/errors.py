@@ -4,8 +4,9 @@ Each rejection carries the HTTP status, the OpenAI error `type` and `code`, a
 message that is safe to show the client, optional extra response headers, and
 an optional `detail` for the log alone (never sent to the client), and the
 tenant and model the director had resolved when it refused (for metric labels).
-`modeldock.extproc.responses.rejection_response` is the one place that turns a
-rejection into an Envoy ImmediateResponse.
+`modeldock.replies.rejection_response` is the one place that turns a rejection into an
+Envoy ImmediateResponse (for both adapters); Envoy's own replies get the same bodies from
+`extproc.responses.local_reply_config`.
 """
 
 from __future__ import annotations

@@ -98,10 +98,6 @@ class ExtProcMetrics:
     def on_reported(self, _report: UsageReport) -> None:
         self.usage_reports.inc()
 
-    # The old names, until tests/unit/deploy/test_dashboard.py calls the hooks by theirs.
-    finished = on_finished
-    retried = on_retried
-
 
 # Envoy sends the whole buffered body in one gRPC message, with the request attributes (method, path,
 # x-request-id, Authorization). Attributes are request headers, which Envoy caps at 60 KiB by default

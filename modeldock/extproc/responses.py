@@ -13,18 +13,13 @@ from collections.abc import Mapping
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, Unavailable
-
-# Moved to modeldock.replies (shared with picker mode); kept here until tests/support/envoy_rig.py,
-# tests/e2e/test_envoy_facts.py and benchmarks/gateway_latency.py import them from there.
-from modeldock.replies import continue_other, rejection_response
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
 
 # A model's upstream credential, keyed by header name; Envoy sets the header from it, then blanks it
 # (envoy/bootstrap.yaml: modeldock.route_from_metadata, modeldock.forget_upstream_auth).
 UPSTREAM_AUTH_NAMESPACE = "modeldock.upstream_auth"
 
-__all__ = ["UPSTREAM_AUTH_NAMESPACE", "continue_other", "local_reply_config", "rejection_response",
-           "route_request_body"]
+__all__ = ["UPSTREAM_AUTH_NAMESPACE", "local_reply_config", "route_request_body"]
 
 
 def route_request_body(cluster: str, endpoints: str, body: bytes | None = None, model: str = "",

@@ -34,12 +34,12 @@ back. The ADS client feeds endpoints and staleness in (`on_endpoints`, `on_statu
 A reservation is refunded at once if the request is refused after it (pick, queue); otherwise it
 is settled once, from Envoy's access log, by `Gateway.settle` (settlement.py joins the two).
 
-Where later features go:
-  - an Endpoint-Picker protocol adapter (GIE's EPP): a second adapter beside extproc/flow.py
-    that calls the same `route` and renders `Routed` in its own protocol.
+Two adapters call `route`: extproc/flow.py (modeldock's own Envoy bootstrap) and epp/flow.py
+(the Endpoint Picker protocol); a request's id, its open state and its settlement are the lifecycle
+registry's (gateway/lifecycle.py), which calls `settle` once.
 
 Every refusal is a `modeldock.errors.Rejection`, logged here with the request id and
-the tenant and model when known; the adapter renders it (extproc/responses.py).
+the tenant and model when known; the adapter renders it (modeldock/replies.py).
 """
 
 from __future__ import annotations

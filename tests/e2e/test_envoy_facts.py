@@ -20,6 +20,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import message
 
+from modeldock import replies
 from modeldock.envoy import BootstrapOptions, render_bootstrap
 from modeldock.errors import Unauthorized
 from modeldock.extproc import responses
@@ -149,7 +150,7 @@ async def test_envoys_reply_after_every_endpoint_failed_is_a_json_503(rig: Rig) 
 
 
 async def test_ext_procs_own_replies_pass_unchanged(rig: Rig) -> None:
-    rig.extproc.answer = lambda _r: responses.rejection_response(Unauthorized("no such key"))
+    rig.extproc.answer = lambda _r: replies.rejection_response(Unauthorized("no such key"))
     r = await rig.post()
     assert r.status_code == 401
     assert r.error() == Unauthorized("no such key").body()["error"]

@@ -22,6 +22,7 @@ import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import json_format
 
+from modeldock import replies
 from modeldock.config import ListenerConfig, ModelConfig
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
 from modeldock.extproc import responses
@@ -53,7 +54,7 @@ Answer = Callable[[ep.ProcessingRequest], ep.ProcessingResponse]
 class ScriptedExtProc:
     def __init__(self) -> None:
         self.streams: list[Seen] = []
-        self.answer: Answer = responses.continue_other
+        self.answer: Answer = replies.continue_other
         self.body_delay = 0.0
 
     async def process(self, requests: AsyncIterator[bytes], _ctx: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -73,7 +74,7 @@ class ScriptedExtProc:
                     await asyncio.sleep(self.body_delay)
                     reply = self.answer(request)
                 else:
-                    reply = responses.continue_other(request)
+                    reply = replies.continue_other(request)
                 seen.answered_at.append(time.monotonic())
                 yield reply.SerializeToString()
         finally:

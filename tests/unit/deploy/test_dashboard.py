@@ -46,8 +46,8 @@ def modeldock_registry() -> CollectorRegistry:
                                            ("rejected", 401, "", "")):
         flow = RequestFlow(cast(Gateway, None))
         flow.outcome, flow.status, flow.tenant_id, flow.model_name = outcome, status, tenant, model
-        extproc.finished(flow, 0.2)
-        extproc.retried(flow)
+        extproc.on_finished(flow, 0.2)
+        extproc.on_retried(flow)
     PickerMetrics(registry, "least_load", lambda: [EndpointRow("10.0.0.1:8000", 2, 0.5, 0.1, 0)])
     scrape = ScrapeMetrics(registry)
     scrape.error("timeout")
