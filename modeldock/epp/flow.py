@@ -186,11 +186,12 @@ class PickerFlow(Outcome):
         routed = await self._gateway.route(self.head, body, self.rid, subset=self._subset)
         self._phase = Phase.ROUTED
         self.proxied(routed)
-        destination = routed.endpoints if self._options.fallbacks else routed.primary.address
-        sent = routed.body if routed.body is not None else body
+        to = routed.destination
+        destination = to.endpoints if self._options.fallbacks else to.primary.address
+        sent = to.body if to.body is not None else body
         if not self._duplex_request:
-            return [protocol.routed_body(destination, routed.body, len(sent), self._names, routed.upstream_auth)]
-        out = [protocol.routed_headers(destination, len(sent), self._names, routed.upstream_auth)]
+            return [protocol.routed_body(destination, to.body, len(sent), self._names, to.upstream_auth)]
+        out = [protocol.routed_headers(destination, len(sent), self._names, to.upstream_auth)]
         out.extend(protocol.streamed_chunks("request_body", sent, end_of_stream=not trailers))
         if trailers:
             out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
@@ -204,9 +205,9 @@ class PickerFlow(Outcome):
         served = protocol.lb_value(request, protocol.SERVED_KEY)
         if served is not None:
             self.served_on(protocol.served_address(served))
-        if routed.wants_usage:
-            self._scanner = self._usage_scanner(request.response_headers, routed.drop_usage)
-        return protocol.response_headers(routed.route_metadata)
+        if routed.usage.wants_usage:
+            self._scanner = self._usage_scanner(request.response_headers, routed.usage.drop_usage)
+        return protocol.response_headers(routed.destination.route_metadata)
 
     def _usage_scanner(self, headers: ep.HttpHeaders, drop: bool) -> UsageScanner | None:
         """A scanner for a response body that can carry usage: SSE or JSON, not compressed."""
@@ -271,7 +272,7 @@ class PickerFlow(Outcome):
             usage = self._scanner.usage if self._scanner is not None else None
             report = None if usage is None else UsageReport(
                 rid=self.rid, usage=usage, reached_backend=True, status=self._response_status,
-                cancelled=not self._response_ended, endpoint=routed.lease.endpoint.address,
+                cancelled=not self._response_ended, endpoint=routed.holdings.lease.endpoint.address,
                 attempts=2 if self.served_by else 1)
             self._scanner = None
         self._lifecycle.ended(self, report)

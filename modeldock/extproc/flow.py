@@ -115,10 +115,10 @@ class RequestFlow(Outcome):
         self.proxied(routed)
         if self._lifecycle is not None:
             self._lifecycle.routed(self)  # before Envoy has the answer: no retry report can come first
-        return responses.route_request_body(routed.cluster, routed.endpoints, routed.body, routed.model,
-                                            routed.route_metadata, rid=self.rid, tenant=routed.tenant.id,
-                                            upstream_auth=routed.upstream_auth, usage=routed.wants_usage,
-                                            drop_usage=routed.drop_usage)
+        to, usage = routed.destination, routed.usage
+        return responses.route_request_body(to.cluster, to.endpoints, to.body, routed.model, to.route_metadata,
+                                            rid=self.rid, tenant=routed.tenant.id, upstream_auth=to.upstream_auth,
+                                            usage=usage.wants_usage, drop_usage=usage.drop_usage)
 
     def _logged(self, rejection: Rejection) -> Rejection:
         """A refusal of the protocol's own (the director logs the rest)."""
@@ -132,11 +132,11 @@ class RequestFlow(Outcome):
     # What the routed request holds (None until routed).
     @property
     def lease(self) -> Lease | None:
-        return self.routed.lease if self.routed is not None else None
+        return self.routed.holdings.lease if self.routed is not None else None
 
     @property
     def ticket(self) -> Ticket | None:
-        return self.routed.ticket if self.routed is not None else None
+        return self.routed.holdings.ticket if self.routed is not None else None
 
     @property
     def tenant(self) -> TenantConfig | None:

@@ -64,7 +64,7 @@ from modeldock.flowcontrol.dispatcher import Dispatcher
 from modeldock.gateway.billing import Bound, bound_output, termination
 from modeldock.gateway.credentials import UpstreamCredential
 from modeldock.gateway.request import PRIORITY_HEADER, RequestHead, bearer_key, check_length, parse_body
-from modeldock.gateway.routed import Finished, Routed, ask_for_usage
+from modeldock.gateway.routed import Destination, Finished, Holdings, Routed, UsagePlan, ask_for_usage
 from modeldock.gateway.settlement import UsageReport
 from modeldock.picking import Picker
 from modeldock.picking.prefix import prompt_blocks
@@ -221,10 +221,11 @@ class Gateway:
                 metadata[OUTPUT_LIMIT] = str(bound.per_choice)
                 metadata[OUTPUT_LIMIT_REASON] = bound.reason
         return Routed(
-            tenant=tenant, model=model, cluster=cluster_name(model), endpoints=pick.endpoint_list,
-            primary=pick.primary, body=new_body, route_metadata=metadata, lease=pick.lease, ticket=ticket,
-            upstream_auth=upstream_auth, reservation=reservation, wants_usage=wants_usage, drop_usage=drop_usage,
-            served_model=config.upstream_name)
+            tenant=tenant, model=model,
+            destination=Destination(cluster=cluster_name(model), endpoints=pick.endpoint_list, primary=pick.primary,
+                                    body=new_body, route_metadata=metadata, upstream_auth=upstream_auth),
+            holdings=Holdings(lease=pick.lease, ticket=ticket, reservation=reservation),
+            usage=UsagePlan(served_model=config.upstream_name, wants_usage=wants_usage, drop_usage=drop_usage))
 
     def settle(self, done: Finished, report: UsageReport | None) -> None:
         """Settle a finished request once, with Envoy's report of it (None: none came in time).
@@ -234,7 +235,7 @@ class Gateway:
         else the whole reservation (client gone, stream cut, no report). Then one usage record.
         """
         routed = done.routed
-        reservation = routed.reservation
+        reservation = routed.holdings.reservation
         cost: float | None = None
         if reservation is not None:
             if report is None:
@@ -253,8 +254,9 @@ class Gateway:
         retries = report.attempts - 1 if report is not None and report.attempts > 0 else done.retries
         self.usage_log.emit(UsageRecord(
             ts=self.clock.time(), request_id=done.rid, client_request_id=done.client_request_id,
-            tenant=routed.tenant.id, model=routed.model, served_model=routed.served_model,
-            endpoint=(report.endpoint if report is not None and report.endpoint else routed.lease.endpoint.address),
+            tenant=routed.tenant.id, model=routed.model, served_model=routed.usage.served_model,
+            endpoint=(report.endpoint if report is not None and report.endpoint
+                      else routed.holdings.lease.endpoint.address),
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens, cost=cost,
             token_source=source, termination=termination(report),

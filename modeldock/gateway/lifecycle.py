@@ -72,7 +72,7 @@ class Outcome:
 
     @property
     def primary(self) -> str:
-        return self.routed.primary.address if self.routed is not None else ""
+        return self.routed.destination.primary.address if self.routed is not None else ""
 
     @property
     def retried(self) -> bool:
@@ -83,9 +83,9 @@ class Outcome:
         """Count the request on `address` ("ip:port"), where a retry moved it. False when nothing moved
         (not routed, not an endpoint, or counted there already). The caller checks the stream is open."""
         routed = self.routed
-        if routed is None or not routed.lease.move_to(address):
+        if routed is None or not routed.holdings.lease.move_to(address):
             return False
-        self.served_by = routed.lease.endpoint.address
+        self.served_by = routed.holdings.lease.endpoint.address
         if self.stage is Stage.OPEN:
             self.stage = Stage.RETRIED
         return True
@@ -195,7 +195,7 @@ class Lifecycle:
                 self._settle(finished, report)  # errors propagate, as the picker flow's always did
         elif opened:
             finished = request.finished()
-            if finished is not None and finished.routed.wants_usage:
+            if finished is not None and finished.routed.usage.wants_usage:
                 self.settlements.ended(request.rid, finished)
             else:
                 self.settlements.forget(request.rid)

@@ -1,7 +1,8 @@
 """What the director hands back: the routed request, its end, and the token-cost helpers it uses.
 
-Plain data: `Routed` is what a protocol adapter renders and releases; `Finished` is a routed request
-whose stream ended, waiting for its usage (settlement.py).
+Plain data: `Routed` is what a protocol adapter renders and releases, built by keyword from its parts
+(`Destination`, `Holdings`, `UsagePlan`); `Finished` is a routed request whose stream ended, waiting
+for its usage (settlement.py).
 """
 
 from __future__ import annotations
@@ -16,34 +17,58 @@ from modeldock.picking import Lease
 from modeldock.types import Endpoint
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """Where a routed request goes and what it holds. The caller releases `lease` and
-    `ticket` exactly once, when the HTTP stream ends (`release()`)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Destination:
+    """Where a routed request goes, and what it carries there."""
 
-    tenant: TenantConfig
-    model: str  # the public name the client sent
     cluster: str  # Envoy's cluster for the model
     endpoints: str  # override_host list: primary first, then ranked fallbacks
     primary: Endpoint
-    body: bytes | None  # the body to send upstream instead (an alias rewrite), or None: unchanged
-    route_metadata: Mapping[str, str]  # x-ratelimit-* values the route adds to the response
-    lease: Lease
-    ticket: Ticket
+    body: bytes | None  # the body to send upstream instead (a rewrite), or None: unchanged
+    route_metadata: Mapping[str, str]  # x-ratelimit-* (and output-limit) values the route adds to the response
     # (header, value) the gateway sends the backend (the model's `upstream_auth`); never in a repr or log.
     upstream_auth: tuple[str, str] | None = field(default=None, repr=False)
-    # Token budgets and usage: the reservation (None when no budget applies), whether Envoy's access log
-    # must bring the request's usage back (`modeldock:usage`), and whether Envoy drops the usage chunk
-    # the gateway asked the backend for (`modeldock:drop_usage`).
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Holdings:
+    """What a routed request holds until its stream ends: its in-flight lease and admission ticket,
+    released exactly once (`release()`), and its token reservation (None when no budget or records
+    apply), settled once by the lifecycle registry."""
+
+    lease: Lease
+    ticket: Ticket
     reservation: Reservation | None = None
-    wants_usage: bool = False
-    drop_usage: bool = False
-    served_model: str = ""
 
     def release(self) -> None:
         """Idempotent: both parts ignore a second release."""
         self.lease.release()
         self.ticket.release()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UsagePlan:
+    """How the request's usage comes back: whether Envoy's access log must bring it (`modeldock:usage`),
+    and whether Envoy drops the usage chunk the gateway asked the backend for (`modeldock:drop_usage`)."""
+
+    served_model: str  # the name the backend serves (an alias's upstream name)
+    wants_usage: bool = False
+    drop_usage: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Routed:
+    """A routed request, by its parts. The caller releases its holdings exactly once, when the HTTP
+    stream ends (`release()`)."""
+
+    tenant: TenantConfig
+    model: str  # the public name the client sent
+    destination: Destination
+    holdings: Holdings
+    usage: UsagePlan
+
+    def release(self) -> None:
+        self.holdings.release()
 
 
 @dataclass(frozen=True, slots=True)

@@ -324,16 +324,16 @@ async def test_a_budgeted_request_is_charged_its_reservation_once_when_its_strea
     flow = PickerFlow(gw)
     await run(flow, start(), chunk(BODY))
     routed = flow.routed
-    assert routed is not None and routed.reservation is not None
+    assert routed is not None and routed.holdings.reservation is not None
     assert gw.budgets.held_count() == 1
     flow.finish()
     flow.finish()
     assert gw.budgets.held_count() == 0 and gw.picker.total_in_flight() == 0
-    remaining = int(routed.reservation.headers["x-ratelimit-remaining-tokens"])
+    remaining = int(routed.holdings.reservation.headers["x-ratelimit-remaining-tokens"])
     # A second request sees the first one's whole reservation charged (not refunded).
     second = PickerFlow(gw)
     await run(second, start(), chunk(BODY))
-    assert second.routed is not None and second.routed.reservation is not None
-    left = int(second.routed.reservation.headers["x-ratelimit-remaining-tokens"])
-    assert left == remaining - routed.reservation.tokens
+    assert second.routed is not None and second.routed.holdings.reservation is not None
+    left = int(second.routed.holdings.reservation.headers["x-ratelimit-remaining-tokens"])
+    assert left == remaining - routed.holdings.reservation.tokens
     second.finish()

@@ -63,8 +63,8 @@ async def test_every_request_has_its_own_key_for_its_reservation_and_its_usage_r
     for _ in range(18):
         flow = PickerFlow(gw)  # one after the other: a finished flow's memory is reused
         await run(flow, start(), chunk(STREAMING))
-        assert flow.routed is not None and flow.routed.reservation is not None
-        keys.append(flow.routed.reservation.request_id)
+        assert flow.routed is not None and flow.routed.holdings.reservation is not None
+        keys.append(flow.routed.holdings.reservation.request_id)
         flow.finish()
     ids = [r["request_id"] for r in records(path)]
     assert len(set(ids)) == 18 and ids == keys
@@ -74,7 +74,7 @@ async def test_the_directors_body_is_forwarded_in_duplex_and_in_buffered(tmp_pat
     gw, _ = gateway(tmp_path)
     flow = PickerFlow(gw)
     out = await run(flow, start(), chunk(STREAMING[:9], end=False), chunk(STREAMING[9:]))
-    assert flow.routed is not None and flow.routed.drop_usage
+    assert flow.routed is not None and flow.routed.usage.drop_usage
     sent, _ = streamed(out[1:])
     assert json.loads(sent)["stream_options"] == {"include_usage": True}  # what the director wrote
     assert mutation(out[0].request_headers.response)[0]["content-length"] == str(len(sent))
@@ -92,7 +92,7 @@ async def test_a_stream_is_settled_with_its_usage_and_the_usage_event_the_client
     gw, path = gateway(tmp_path)
     flow = PickerFlow(gw)
     await run(flow, start(), chunk(STREAMING))
-    reservation = flow.routed.reservation if flow.routed is not None else None
+    reservation = flow.routed.holdings.reservation if flow.routed is not None else None
     assert reservation is not None and reservation.cost > 12
     await flow.handle(response_headers("text/event-stream"))
     out = [await flow.handle(body(CONTENT + USAGE_EVENT[:25])),
@@ -114,7 +114,7 @@ async def test_a_client_that_asked_for_usage_gets_it_and_the_request_is_settled_
     asked["stream_options"] = {"include_usage": True}
     flow = PickerFlow(gw)
     await run(flow, start(), chunk(json.dumps(asked).encode()))
-    assert flow.routed is not None and not flow.routed.drop_usage
+    assert flow.routed is not None and not flow.routed.usage.drop_usage
     await flow.handle(response_headers("text/event-stream; charset=utf-8"))
     out = [await flow.handle(body(c, end=c is DONE)) for c in (CONTENT, USAGE_EVENT[:25], USAGE_EVENT[25:], DONE)]
     assert all(len(answers) == 1 for answers in out)  # every chunk goes on as it comes
@@ -127,7 +127,7 @@ async def test_a_stream_cut_before_its_usage_is_charged_its_whole_reservation(tm
     gw, path = gateway(tmp_path)
     flow = PickerFlow(gw)
     await run(flow, start(), chunk(STREAMING))
-    reservation = flow.routed.reservation if flow.routed is not None else None
+    reservation = flow.routed.holdings.reservation if flow.routed is not None else None
     assert reservation is not None
     await run(flow, response_headers("text/event-stream"), body(CONTENT + USAGE_EVENT[:30]))
     flow.finish()  # the client went away: the held part of the event never completes

@@ -66,12 +66,13 @@ def gateway(clock: FakeClock | None = None, records: Records | None = None) -> G
 async def test_a_budgeted_request_reserves_its_cost_and_carries_token_headers() -> None:
     gw = gateway()
     routed = await gw.route(head("k-tb"), body(max_tokens=100), "rid-1")
-    assert routed.reservation is not None and routed.reservation.counted
-    cost = routed.reservation.cost
-    assert cost >= 100 and routed.reservation.tokens == cost
-    assert routed.route_metadata["x-ratelimit-limit-tokens"] == str(BUDGET)
-    assert routed.route_metadata["x-ratelimit-remaining-tokens"] == str(BUDGET - cost)
-    assert routed.wants_usage and not routed.drop_usage and routed.body is None  # not streaming: no rewrite
+    assert routed.holdings.reservation is not None and routed.holdings.reservation.counted
+    cost = routed.holdings.reservation.cost
+    assert cost >= 100 and routed.holdings.reservation.tokens == cost
+    assert routed.destination.route_metadata["x-ratelimit-limit-tokens"] == str(BUDGET)
+    assert routed.destination.route_metadata["x-ratelimit-remaining-tokens"] == str(BUDGET - cost)
+    # Not streaming: no rewrite.
+    assert routed.usage.wants_usage and not routed.usage.drop_usage and routed.destination.body is None
     assert gw.budgets.held_count() == 1
     routed.release()
 
@@ -92,18 +93,18 @@ async def test_a_request_over_the_budget_gets_429_with_retry_after_and_holds_not
 async def test_an_output_limit_above_the_remaining_budget_goes_upstream_lowered_and_said_so() -> None:
     gw = gateway()
     first = await gw.route(head("k-tb"), body(max_tokens=800), "rid-1")
-    assert first.reservation is not None
-    left = BUDGET - first.reservation.tokens
+    assert first.holdings.reservation is not None
+    left = BUDGET - first.holdings.reservation.tokens
     second = await gw.route(head("k-tb"), body(max_tokens=900), "rid-2")
-    assert second.body is not None and second.reservation is not None
-    sent = json.loads(second.body)["max_tokens"]
-    assert sent == second.reservation.output == left - second.reservation.prompt and 0 < sent < 900
-    assert second.route_metadata["x-modeldock-output-limit"] == str(sent)
-    assert second.route_metadata["x-modeldock-output-limit-reason"] == "budget"
-    assert second.route_metadata["x-ratelimit-remaining-tokens"] == "0"
+    assert second.destination.body is not None and second.holdings.reservation is not None
+    sent = json.loads(second.destination.body)["max_tokens"]
+    assert sent == second.holdings.reservation.output == left - second.holdings.reservation.prompt and 0 < sent < 900
+    assert second.destination.route_metadata["x-modeldock-output-limit"] == str(sent)
+    assert second.destination.route_metadata["x-modeldock-output-limit-reason"] == "budget"
+    assert second.destination.route_metadata["x-ratelimit-remaining-tokens"] == "0"
     # No limit from the client: the reserve default is written in, and said so.
     free = await gw.route(head("k-free"), body(), "rid-3")
-    assert free.body is None  # no budget and records off: the body goes as it came
+    assert free.destination.body is None  # no budget and records off: the body goes as it came
     first.release()
     second.release()
     free.release()
@@ -128,33 +129,35 @@ async def test_a_request_refused_after_its_reservation_is_refunded_at_once(monke
 async def test_a_tenant_without_budgets_reserves_nothing_and_needs_no_usage() -> None:
     gw = gateway()
     routed = await gw.route(head("k-free"), body(max_tokens=5, stream=True), "rid-1")
-    assert routed.reservation is None and not routed.wants_usage and not routed.drop_usage
-    assert routed.body is None and "x-ratelimit-limit-tokens" not in routed.route_metadata
+    assert routed.holdings.reservation is None and not routed.usage.wants_usage and not routed.usage.drop_usage
+    assert routed.destination.body is None and "x-ratelimit-limit-tokens" not in routed.destination.route_metadata
     routed.release()
 
 
 async def test_usage_records_on_make_every_request_need_usage() -> None:
     gw = gateway(records=Records())
     routed = await gw.route(head("k-free"), body(max_tokens=5, stream=True), "rid-1")
-    assert routed.reservation is not None and not routed.reservation.counted  # no budget: nothing held
-    assert routed.wants_usage and routed.drop_usage
+    # No budget: nothing held.
+    assert routed.holdings.reservation is not None and not routed.holdings.reservation.counted
+    assert routed.usage.wants_usage and routed.usage.drop_usage
     routed.release()
 
 
 async def test_a_streaming_request_asks_for_usage_and_envoy_drops_it_only_if_the_client_did_not() -> None:
     gw = gateway()
     routed = await gw.route(head("k-tb"), body(max_tokens=5, stream=True), "rid-1")
-    assert routed.drop_usage and routed.body is not None
-    assert json.loads(routed.body)["stream_options"] == {"include_usage": True}
+    assert routed.usage.drop_usage and routed.destination.body is not None
+    assert json.loads(routed.destination.body)["stream_options"] == {"include_usage": True}
     routed.release()
     asked = await gw.route(head("k-tb"), body(max_tokens=5, stream=True, stream_options={"include_usage": True}),
                            "rid-2")
-    assert asked.wants_usage and not asked.drop_usage and asked.body is None
+    assert asked.usage.wants_usage and not asked.usage.drop_usage and asked.destination.body is None
     asked.release()
     # An alias rewrite and the usage rewrite in one body.
     alias = await gw.route(head("k-tb"), json.dumps({"model": "m-alias", "messages": [], "stream": True,
                                                      "max_tokens": 3}).encode(), "rid-3")
-    assert alias.body is not None and json.loads(alias.body)["model"] == "m" and alias.drop_usage
+    sent = alias.destination.body
+    assert sent is not None and json.loads(sent)["model"] == "m" and alias.usage.drop_usage
     alias.release()
 
 
@@ -195,7 +198,7 @@ async def test_the_settlement_rule(report: UsageReport | None, charged: int | No
     records = Records()
     gw = gateway(records=records)
     done = await _finished(gw, "r", max_tokens=50)
-    reservation = done.routed.reservation
+    reservation = done.routed.holdings.reservation
     assert reservation is not None
     gw.settle(done, report)
     gw.settle(done, UsageReport("r", Usage(1, 1), True, 200))  # a second settlement changes nothing

@@ -53,7 +53,7 @@ async def test_a_lower_class_leaves_the_last_slot_to_the_top_class() -> None:
     await settle()
     assert not second.done() and len(rig.gateway.flow.queues) == 1  # one slot of two kept free
     top = await rig.route("ivy", 2)  # ... for this one, at once, past the queued batch request
-    assert top.primary == EP and not second.done()
+    assert top.destination.primary == EP and not second.done()
     top.release()  # room again, but batch still leaves the last slot while ivy is recent
     await settle()
     assert not second.done()
@@ -74,7 +74,7 @@ async def test_a_tenant_over_its_share_leaves_a_slot_for_one_under_it() -> None:
     await settle()
     assert not second.done()  # alice was served more than bob lately: over her half
     under = await rig.route("bob", 2)  # bob, under his share, takes the last slot
-    assert under.primary == EP
+    assert under.destination.primary == EP
     for routed in (first, under):
         routed.release()
     await settle()
@@ -86,7 +86,7 @@ async def test_headroom_zero_keeps_the_queue_purely_work_conserving() -> None:
     rig = Rig(headroom=0)
     (await rig.route("ivy")).release()
     held = [await rig.route("bat", i) for i in range(2)]  # both slots for batch
-    assert rig.committed() == sum(r.lease.tokens for r in held) > 0
+    assert rig.committed() == sum(r.holdings.lease.tokens for r in held) > 0
     for routed in held:
         routed.release()
     assert rig.committed() == 0
@@ -96,7 +96,7 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     rig = Rig(ttl_seconds=1.0, max_wait_seconds=None)
     a = await rig.route("alice", 1)
     b = await rig.route("alice", 2)
-    assert rig.committed() == a.lease.tokens + b.lease.tokens > 0
+    assert rig.committed() == a.holdings.lease.tokens + b.holdings.lease.tokens > 0
     # Cancelled while queued: never counted.
     cancelled = rig.route("alice", 3)
     await settle()
@@ -116,16 +116,17 @@ async def test_committed_tokens_return_to_zero_on_every_path() -> None:
     b.release()
     late.cancel()
     await settle()
-    assert late.cancelled() and rig.committed() == a.lease.tokens > 0
+    assert late.cancelled() and rig.committed() == a.holdings.lease.tokens > 0
     # Retried on another endpoint: the tokens move with the lease.
     rig.gateway.on_endpoints("m", (EP, OTHER))
     before = rig.committed()
-    assert a.lease.move_to(OTHER.address) and rig.committed() == before
+    assert a.holdings.lease.move_to(OTHER.address) and rig.committed() == before
     assert rig.picker.committed(OTHER) == before
     outputs = {ep: sum(load.outputs.values()) for ep, load in rig.picker.loads().items()}
-    assert outputs == {EP: 0, OTHER: a.lease.output} and a.lease.output == 90  # its output limit moved too
+    moved = a.holdings.lease
+    assert outputs == {EP: 0, OTHER: moved.output} and moved.output == 90  # its output limit moved too
     ends = {ep: list(load.ends) for ep, load in rig.picker.loads().items()}
-    assert ends == {EP: [], OTHER: [(a.lease.output, a.lease.tokens)]}  # and its entry for the tokens rule
+    assert ends == {EP: [], OTHER: [(moved.output, moved.tokens)]}  # and its entry for the tokens rule
     # Ended, twice (idempotent).
     a.release()
     a.release()
@@ -150,7 +151,7 @@ async def test_a_protected_request_already_queued_passes_a_head_over_its_share()
     await settle()
     assert queued.done() and not second.done()
     taken = await queued
-    assert taken.primary == EP
+    assert taken.destination.primary == EP
     first.release()  # room alice may use: her queued head gets it
     await settle()
     assert second.done()

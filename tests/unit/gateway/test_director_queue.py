@@ -67,7 +67,7 @@ async def test_queued_then_dispatched_when_a_lease_of_the_model_is_released() ->
     await settle()
     assert second.done() and rig.queued == 0
     routed = second.result()
-    assert routed.primary == EP and rig.held() == (1, 1, 600)
+    assert routed.destination.primary == EP and rig.held() == (1, 1, 600)
     routed.release()
     assert rig.held() == (0, 0, 0)
 
@@ -86,7 +86,7 @@ async def test_queued_then_dispatched_on_a_fresh_sample_showing_room() -> None:
     await settle()
     routed = task.result()
     # prompt (40 chars) + max_tokens
-    assert rig.held() == (1, 1, routed.lease.tokens) and routed.lease.tokens == 10 + 10
+    assert rig.held() == (1, 1, routed.holdings.lease.tokens) and routed.holdings.lease.tokens == 10 + 10
     routed.release()
     assert rig.held() == (0, 0, 0)
 
