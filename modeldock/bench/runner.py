@@ -38,13 +38,13 @@ from modeldock.bench.sse import SSEParser
 _DRAIN_SECONDS = 0.1
 _ERROR_BODY_BYTES = 300
 
-Phase = Literal["warmup", "measure"]
+BenchPhase = Literal["warmup", "measure"]
 
 
 @dataclass(frozen=True)
 class Progress:
     concurrency: int
-    phase: Phase
+    phase: BenchPhase
     done: int
     total: int
     errors: int
@@ -83,7 +83,7 @@ async def _run_phase(
     client: _Client,
     concurrency: int,
     indices: Iterable[int],
-    phase: Phase,
+    phase: BenchPhase,
     progress: ProgressCallback | None,
 ) -> list[RequestRecord]:
     queue: asyncio.Queue[int] = asyncio.Queue()

@@ -63,7 +63,7 @@ def _lifecycle_of(gateway: Gateway) -> Lifecycle:
     return lifecycle
 
 
-class Phase(Enum):
+class PickerPhase(Enum):
     HEADERS = 1  # waiting for the request headers
     BODY = 2  # collecting the body
     ROUTED = 3  # answered with a destination; the response passes through
@@ -81,7 +81,7 @@ class PickerFlow(Outcome):
         self._lifecycle = _lifecycle_of(gateway) if lifecycle is None else lifecycle
         self._lifecycle.open(self)  # the key: its reservation's and its usage record's id
         self._options = options
-        self._phase = Phase.HEADERS
+        self._phase = PickerPhase.HEADERS
         self._duplex_request = self._duplex_response = True
         self._chunks: list[bytes] = []
         self._size = 0
@@ -96,7 +96,7 @@ class PickerFlow(Outcome):
         """The answers to one message, in order; none while a FULL_DUPLEX_STREAMED body is coming in."""
         kind = request.WhichOneof("request")
         phase = self._phase
-        if phase is Phase.ROUTED:  # the hot path: response chunks
+        if phase is PickerPhase.ROUTED:  # the hot path: response chunks
             if kind == "response_body":
                 body = request.response_body
                 if self._scanner is not None:
@@ -110,22 +110,22 @@ class PickerFlow(Outcome):
                 return self._on_response_trailers(self._scanner, request)
             return [replies.continue_other(request)]
         try:
-            if phase is Phase.HEADERS and kind == "request_headers":
+            if phase is PickerPhase.HEADERS and kind == "request_headers":
                 return await self._on_request_headers(request)
-            if phase is Phase.BODY and kind == "request_body":
+            if phase is PickerPhase.BODY and kind == "request_body":
                 body = request.request_body
                 self._add(body.body)
                 if body.end_of_stream or not self._duplex_request:
                     return await self._route(trailers=False)
                 return _NONE
-            if phase is Phase.BODY and kind == "request_trailers":
+            if phase is PickerPhase.BODY and kind == "request_trailers":
                 return await self._route(trailers=True)
-            if phase is Phase.DONE:
+            if phase is PickerPhase.DONE:
                 return [replies.continue_other(request)]
             raise Unavailable("The gateway sent the request out of order.", code="gateway_misconfigured",
                               detail=f"{kind} in phase {phase.name}")
         except Rejection as rejection:
-            self._phase = Phase.DONE
+            self._phase = PickerPhase.DONE
             self._chunks = []  # nothing goes on: drop what was held
             self.rejected(rejection)
             if not self._asked:  # the director logs its own refusals
@@ -153,20 +153,20 @@ class PickerFlow(Outcome):
         self._names = [k for k, _ in pairs]
         hint = protocol.lb_value(request, protocol.SUBSET_KEY)
         if hint is not None:
-            self._subset = protocol.endpoints_of(hint)
+            self._subset = protocol.subset_endpoints(hint)
             if not self._subset:
                 raise Unavailable("No endpoint the gateway allows for this request is ready. Retry shortly.",
                                   code="no_ready_endpoints", detail="empty subset hint")
         if head.path == MODELS_PATH:
             self._asked = True
             tenant, names = self._gateway.models(head)
-            self._phase = Phase.DONE
+            self._phase = PickerPhase.DONE
             self.listed_models(tenant.id)
             return [replies.models_response(names)]
         check_route(head)  # 404 / 400 before any body is collected
         if head.content_length is not None:
             protocol_limit(head.content_length, self._gateway.max_body_bytes)
-        self._phase = Phase.BODY
+        self._phase = PickerPhase.BODY
         if request.request_headers.end_of_stream:
             return await self._route(trailers=False)  # no body: the director refuses it (400)
         if self._duplex_request:
@@ -184,7 +184,7 @@ class PickerFlow(Outcome):
         self._chunks = []
         self._asked = True
         routed = await self._gateway.route(self.head, body, self.rid, subset=self._subset)
-        self._phase = Phase.ROUTED
+        self._phase = PickerPhase.ROUTED
         self.proxied(routed)
         to = routed.destination
         destination = to.endpoints if self._options.fallbacks else to.primary.address
@@ -253,14 +253,14 @@ class PickerFlow(Outcome):
     def served_on(self, address: str) -> bool:
         """The gateway reports `address` served the request: count it there (a retry moved it).
         False when nothing moved."""
-        return self._phase is Phase.ROUTED and self._lifecycle.moved(self, address)
+        return self._phase is PickerPhase.ROUTED and self._lifecycle.moved(self, address)
 
     def finish(self) -> None:
         """The stream ended (the HTTP stream completed, failed or was cancelled): release, then end it
         in the registry, which settles it. Idempotent."""
         if self.stage is Stage.ENDED:
             return
-        self._phase = Phase.DONE
+        self._phase = PickerPhase.DONE
         self._chunks = []
         routed = self.routed
         report = None

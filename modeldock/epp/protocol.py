@@ -125,7 +125,7 @@ def lb_value(request: ep.ProcessingRequest, key: str) -> struct_pb2.Value | None
     return value
 
 
-def endpoints_of(value: struct_pb2.Value) -> frozenset[Endpoint]:
+def subset_endpoints(value: struct_pb2.Value) -> frozenset[Endpoint]:
     """A subset hint: a list of "ip:port" (or one comma-separated string); what does not parse is left out."""
     kind = value.WhichOneof("kind")
     texts: list[str] = []

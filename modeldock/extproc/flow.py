@@ -39,7 +39,7 @@ log = logging.getLogger("modeldock.extproc")
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 
 
-class Phase(Enum):
+class FlowPhase(Enum):
     START = 1
     ROUTED = 2  # handed to Envoy with its endpoints; the stream ends with the HTTP stream
     DONE = 3
@@ -76,20 +76,20 @@ class RequestFlow(Outcome):
         self._lifecycle = lifecycle
         if lifecycle is not None:
             lifecycle.open(self)
-        self._phase = Phase.START
+        self._phase = FlowPhase.START
 
     async def handle(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         try:
             kind = request.WhichOneof("request")
-            if kind == "request_body" and self._phase is Phase.START:
+            if kind == "request_body" and self._phase is FlowPhase.START:
                 return await self._on_request_body(request)
-            if kind == "request_headers" and self._phase is Phase.START:
+            if kind == "request_headers" and self._phase is FlowPhase.START:
                 return self._on_request_headers(request.request_headers)
-            if self._phase is Phase.START:
+            if self._phase is FlowPhase.START:
                 raise self._logged(_out_of_order())
             return replies.continue_other(request)
         except Rejection as rejection:
-            self._phase = Phase.DONE
+            self._phase = FlowPhase.DONE
             self.rejected(rejection)
             return replies.rejection_response(rejection)
 
@@ -104,14 +104,14 @@ class RequestFlow(Outcome):
             # A completion route must not send headers: its body carries the request.
             raise self._logged(_out_of_order())
         tenant, names = self._gateway.models(head)
-        self._phase = Phase.DONE
+        self._phase = FlowPhase.DONE
         self.listed_models(tenant.id)
         return replies.models_response(names)
 
     async def _on_request_body(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         head = self.head = head_from_attributes(_attributes(request))
         routed = await self._gateway.route(head, request.request_body.body, self.rid)
-        self._phase = Phase.ROUTED
+        self._phase = FlowPhase.ROUTED
         self.proxied(routed)
         if self._lifecycle is not None:
             self._lifecycle.routed(self)  # before Envoy has the answer: no retry report can come first
@@ -149,14 +149,14 @@ class RequestFlow(Outcome):
     def retried_on(self, address: str) -> bool:
         """Envoy retried the request on `address` ("ip:port") before the first byte: count it there.
         False when nothing moved (not routed, ended, not an endpoint, or where it is counted already)."""
-        return self._phase is Phase.ROUTED and self.moved_to(address)
+        return self._phase is FlowPhase.ROUTED and self.moved_to(address)
 
     def finish(self) -> None:
         """The HTTP stream ended (completed, failed or cancelled): release, then end it in the registry.
         Idempotent."""
         if self.stage is Stage.ENDED:
             return
-        self._phase = Phase.DONE
+        self._phase = FlowPhase.DONE
         if self.routed is not None:
             self.routed.release()
         if self._lifecycle is not None:

@@ -137,7 +137,7 @@ class Totals:
 
 
 @dataclass
-class Summary:
+class UsageSummary:
     since: float | None
     until: float | None
     by_model: bool
@@ -149,9 +149,9 @@ class Summary:
 
 
 def summarize(records: Iterable[UsageRecord], since: float | None = None, until: float | None = None,
-              by_model: bool = False, tenants: frozenset[str] | None = None) -> Summary:
+              by_model: bool = False, tenants: frozenset[str] | None = None) -> UsageSummary:
     """Totals of the records with since <= ts < until (either bound may be None), per tenant or (tenant, model)."""
-    summary = Summary(since, until, by_model)
+    summary = UsageSummary(since, until, by_model)
     for record in records:
         if (since is not None and record.ts < since) or (until is not None and record.ts >= until):
             continue
@@ -198,17 +198,17 @@ def _values(totals: Totals) -> list[str]:
     return [format_cost(totals.cost) if name == "cost" else str(getattr(totals, name)) for name in COLUMNS]
 
 
-def _keys(summary: Summary) -> list[str]:
+def _keys(summary: UsageSummary) -> list[str]:
     return ["tenant", "model"] if summary.by_model else ["tenant"]
 
 
-def _key_values(summary: Summary, key: tuple[str, str], safe: bool = True) -> list[str]:
+def _key_values(summary: UsageSummary, key: tuple[str, str], safe: bool = True) -> list[str]:
     """The row's tenant (and model); escaped for the terminal unless `safe` is False (JSON escapes itself)."""
     names = [key[0], key[1]] if summary.by_model else [key[0]]
     return [printable(n) for n in names] if safe else names
 
 
-def format_table(summary: Summary) -> str:
+def format_table(summary: UsageSummary) -> str:
     header = _keys(summary) + list(COLUMNS)
     body = [_key_values(summary, key) + _values(t) for key, t in summary.sorted_rows()]
     total = ["TOTAL"] + ([""] if summary.by_model else []) + _values(summary.total)
@@ -228,7 +228,7 @@ def _when(epoch: float | None, unbounded: str) -> str:
     return unbounded if epoch is None else rfc3339(epoch)
 
 
-def format_json(summary: Summary, stats: ReadStats | None = None) -> str:
+def format_json(summary: UsageSummary, stats: ReadStats | None = None) -> str:
     def row(key: tuple[str, str], totals: Totals) -> dict[str, object]:
         out: dict[str, object] = dict(zip(_keys(summary), _key_values(summary, key, safe=False), strict=True))
         out.update(asdict(totals), total_tokens=totals.total_tokens)
@@ -247,7 +247,7 @@ def format_json(summary: Summary, stats: ReadStats | None = None) -> str:
     return json.dumps(document, indent=2) + "\n"
 
 
-def format_csv(summary: Summary) -> str:
+def format_csv(summary: UsageSummary) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(_keys(summary) + list(COLUMNS))

@@ -309,11 +309,11 @@ async def test_the_model_credential_replaces_the_clients_and_is_not_removed() ->
 
 
 def test_the_subset_hint_reads_a_list_or_a_comma_string() -> None:
-    from modeldock.epp.protocol import endpoints_of
+    from modeldock.epp.protocol import subset_endpoints
 
     value = struct_pb2.Value(string_value=f"{A}, {B}")
-    assert endpoints_of(value) == {Endpoint.parse(A), Endpoint.parse(B)}
-    assert endpoints_of(struct_pb2.Value(number_value=1)) == frozenset()
+    assert subset_endpoints(value) == {Endpoint.parse(A), Endpoint.parse(B)}
+    assert subset_endpoints(struct_pb2.Value(number_value=1)) == frozenset()
 
 
 async def test_a_budgeted_request_is_charged_its_reservation_once_when_its_stream_ends() -> None:
