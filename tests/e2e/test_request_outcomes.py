@@ -29,6 +29,7 @@ from tests.support.access_log import AccessLogCollector, access_log_server
 from tests.support.envoy_rig import BODY, Rig, envoy_rig
 from tests.support.extproc_messages import usage_log_message
 from tests.support.scripted_backend import (
+    LAST_CHUNK,
     SSE_HEAD,
     BackendRequest,
     Reply,
@@ -97,8 +98,9 @@ class Outcome:
 
 @asynccontextmanager
 async def outcome(tmp_path: Path, replies: list[Reply], *, refusing: int = 0, rid: str,
-                  listener: ListenerConfig | None = None) -> AsyncIterator[Outcome]:
-    """Backends answering with `replies` (tried in this order), after `refusing` ports nobody listens on."""
+                  listener: ListenerConfig | None = None, usage: bool = True) -> AsyncIterator[Outcome]:
+    """Backends answering with `replies` (tried in this order), after `refusing` ports nobody listens on;
+    `usage`: the route marks the request as needing its usage (`modeldock:usage`)."""
     async with access_log_server() as (logs, log_port):
         backends = [ScriptedBackend(reply) for reply in replies]
         try:
@@ -107,7 +109,7 @@ async def outcome(tmp_path: Path, replies: list[Reply], *, refusing: int = 0, ri
                 rig.upstream.close()  # the rig's own upstreams refuse too: no fallback answers
                 endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
                 rig.extproc.answer = lambda _r: responses.route_request_body(
-                    cluster_name("m"), endpoints, model="m", rid=rid, usage=True)
+                    cluster_name("m"), endpoints, model="m", rid=rid, usage=usage)
                 yield Outcome(rig, backends, logs)
         finally:
             for backend in backends:
@@ -207,3 +209,26 @@ async def test_a_silent_backend_times_out(tmp_path: Path, reply: Reply, streamed
     assert report.timed_out and report.sent and not report.upstream_failed and not report.backend_error
     if streamed:
         assert report.response_bytes == streamed
+
+
+USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4}}\n\n'
+USAGE_FILTER_STATS = ("http.modeldock.lua.executions", "sse_to_metadata.resp.json.metadata_added",
+                      "sse_to_metadata.resp.json.parse_error")
+
+
+async def marks_itself(_request: BackendRequest, writer: asyncio.StreamWriter) -> None:
+    # A backend claiming the usage mark the usage filters are gated on (modeldock.envoy.USAGE_MARK_HEADER).
+    head = SSE_HEAD.replace(b"\r\n\r\n", b"\r\nx-modeldock-usage: 1\r\n\r\n")
+    writer.write(head + chunk(CONTENT) + chunk(USAGE_EVENT) + LAST_CHUNK)
+
+
+async def test_a_backend_cannot_turn_the_usage_filters_on(tmp_path: Path) -> None:
+    # The route removes the mark a backend sends before it adds its own from `modeldock:usage`: a request
+    # that needs no usage passes none of the usage filters, and the client never sees the header.
+    async with outcome(tmp_path, [marks_itself], rid="forged", usage=False) as o:
+        before = [await o.rig.stat(name) for name in USAGE_FILTER_STATS]
+        got = await stream_post(o.rig.listen, BODY, [("authorization", "Bearer k")])
+        after = [await o.rig.stat(name) for name in USAGE_FILTER_STATS]
+    assert got.status == 200 and USAGE_EVENT in got.body  # passed through whole, read by nothing
+    assert "x-modeldock-usage" not in got.headers
+    assert after == before
