@@ -32,6 +32,7 @@ import yaml
 
 from benchmarks._proc import cpu_seconds
 from benchmarks._report import write_section
+from benchmarks.gateway_latency import ENVOY_ONLY  # the baseline path: a static Envoy, the router alone
 from modeldock.devstack.stack import API_KEY, running_stack, wait_until
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
 from modeldock.up import Supervisor, free_port
@@ -40,37 +41,6 @@ CHUNKS = 50
 STACK_PARTS = ("envoy", "extproc", "xds")
 SIM_ARGS = ("--speed", "1000", "--max-num-seqs", "2048", "--num-gpu-blocks", "200000")
 
-# A static Envoy with no filters but the router (the baseline path); the same text as gateway_latency's.
-ENVOY_ONLY = """
-admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
-static_resources:
-  listeners:
-  - address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: plain
-          delayed_close_timeout: 0s
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes: [{{match: {{prefix: "/"}}, route: {{cluster: sim, timeout: 0s}}}}]
-  clusters:
-  - name: sim
-    type: STATIC
-    connect_timeout: 1s
-    circuit_breakers: {{thresholds: [{{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}]}}
-    load_assignment:
-      cluster_name: sim
-      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1,
-                                                                  port_value: {sim}}}}}}}}}]}}]
-"""
 
 
 async def _load(url: str, token: str | None, concurrency: int, count: int, stream: bool) -> tuple[int, int]:
