@@ -86,6 +86,12 @@ class Unavailable(Rejection):
     code = "service_unavailable"
 
 
+class GatewayTimeout(Rejection):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"
+
+
 def limiter_unavailable() -> Unavailable:
     """The shared rate-limit store (Redis) did not answer and the limits fail closed."""
     return Unavailable(

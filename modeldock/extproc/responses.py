@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from modeldock.errors import BadRequest, NotFound, PayloadTooLarge, Rejection, Unavailable
+from modeldock.errors import BadRequest, GatewayTimeout, NotFound, PayloadTooLarge, Rejection, Unavailable
 from modeldock.xds.resources import DESTINATION_HEADER, LB_NAMESPACE, ROUTE_NAMESPACE
 
 # A model's upstream credential, keyed by header name; Envoy sets the header from it, then blanks it
@@ -116,6 +116,12 @@ def local_reply_config(max_body_bytes: int) -> dict[str, object]:
         _mapper(_FALLBACK_ROUTE, NotFound("Unknown path %REQ(:PATH)%.", code="unknown_url")),
         # ext_proc failing without failure_mode_allow (kept should the bootstrap ever fail closed).
         _mapper("response.code_details.startsWith('ext_proc')", _gateway_unavailable(retry)),
+        # Admitted and sent, then the backend went silent before its headers (the route's idle_timeout,
+        # listener.stream_idle_timeout_seconds): not "no endpoint could take it", which would send the
+        # client looking for capacity; a cut after the headers is a cut stream, no reply.
+        _mapper(f"{_ADMITTED} && response.code_details == 'stream_idle_timeout'", GatewayTimeout(
+            f"The backend serving model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` sent nothing within the "
+            "gateway's idle timeout, so the request was cut. Retry shortly.", headers=retry)),
         # Admitted (ext_proc set the route metadata), then every endpoint failed before answering.
         _mapper(f"{_ADMITTED} && {_NOT_OURS}", Unavailable(
             f"No endpoint of model `%DYNAMIC_METADATA({ROUTE_NAMESPACE}:model)%` could take the request. "

@@ -10,6 +10,7 @@ pins the entry's fields for one outcome; docs/envoy.md lists the facts.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -201,14 +202,22 @@ async def test_a_stream_cut_after_it_started_is_an_upstream_failure_with_what_wa
                          ids=["before-headers", "mid-stream"])
 async def test_a_silent_backend_times_out(tmp_path: Path, reply: Reply, streamed: int) -> None:
     async with outcome(tmp_path, [reply], rid="idle", listener=ListenerConfig(stream_idle_timeout_seconds=0.3)) as o:
+        answer: tuple[int, bytes] | None = None
         try:
-            await post(o.rig)
+            answer = await post(o.rig)
         except asyncio.IncompleteReadError:
-            pass  # cut mid-stream; before the headers the client gets Envoy's JSON 503
+            pass  # cut mid-stream
         report = await o.report("idle")
     assert report.timed_out and report.sent and not report.upstream_failed and not report.backend_error
     if streamed:
-        assert report.response_bytes == streamed
+        assert report.response_bytes == streamed and answer is None
+    else:
+        # Before the headers the client gets Envoy's reply as a JSON 504 saying what happened: the backend
+        # took the request and went silent (not "no endpoint could take it").
+        assert answer is not None and answer[0] == 504
+        error = json.loads(answer[1])["error"]
+        assert error["code"] == "upstream_timeout" and "model `m`" in error["message"]
+        assert report.status == 504
 
 
 USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4}}\n\n'
