@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import time
 from enum import Enum
 from typing import Protocol
 
@@ -47,7 +46,7 @@ class Outcome:
         # x-request-id (head.request_id) is only for log correlation.
         self.rid = rid
         self.stage = Stage.OPEN
-        self.started = 0.0  # perf_counter() when the registry opened it (request duration)
+        self.started = 0.0  # the gateway clock's monotonic() when the registry opened it (request duration)
         self.head: RequestHead | None = None
         self.routed: Routed | None = None
         self.served_by = ""  # set when a retry moved the request onto another endpoint
@@ -139,6 +138,7 @@ class Lifecycle:
     def __init__(self, gateway: Gateway, hooks: Hooks = NO_HOOKS, *, await_reports: bool = True,
                  grace: float = GRACE_SECONDS, sweep: bool = True) -> None:
         self._settle = gateway.settle
+        self._clock = gateway.clock
         self.hooks = hooks
         self.await_reports = await_reports
         self._prefix = secrets.token_hex(6) + "-"
@@ -154,7 +154,7 @@ class Lifecycle:
     def open(self, request: Outcome) -> Outcome:
         """A stream opened: give its record a key and its start."""
         request.rid = self.key()
-        request.started = time.perf_counter()
+        request.started = self._clock.monotonic()
         return request
 
     def routed(self, request: Outcome) -> None:
@@ -199,7 +199,7 @@ class Lifecycle:
                 self.settlements.ended(request.rid, finished)
             else:
                 self.settlements.forget(request.rid)
-        self.hooks.on_finished(request, time.perf_counter() - request.started)
+        self.hooks.on_finished(request, self._clock.monotonic() - request.started)
 
     def pending(self) -> int:
         """Ended requests waiting for their usage report (not __len__: an empty registry is still one)."""
