@@ -1,10 +1,9 @@
-"""Token counts for budgets: what a request may cost before it runs, and what it used.
+"""Token counts for budgets: what a request used, and the one rule for what it is charged.
 
-The estimate is deliberately high (settling gives back what was not used):
-prompt tokens as the request body's bytes / 4 (JSON punctuation and field names
-count too), plus the completion limit the client set, or
-`limits.reserve_completion_tokens` when it set none, times `n`. It is the gateway's
-one estimator, `modeldock.flowcontrol.cost.estimate_cost`, given the body's length.
+What a request may cost before it runs is the director's one estimate (`flowcontrol.cost.RequestCost`):
+deliberately high (settling gives back what was not used), prompt tokens as the request body's bytes / 4
+(`prompt_bound`: JSON punctuation and field names count too), plus the completion limit the client set,
+or `limits.reserve_completion_tokens` when it set none, times the choices.
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from modeldock.flowcontrol.cost import CHARS_PER_TOKEN as BYTES_PER_TOKEN
-from modeldock.flowcontrol.cost import estimate_cost as _estimate
-
-__all__ = ["BYTES_PER_TOKEN", "Usage", "charge_for", "estimated_tokens"]
+__all__ = ["Usage", "charge_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +56,6 @@ def _count(value: object) -> int | None:
     if not math.isfinite(value) or value < 0 or value != int(value):
         return None
     return int(value)
-
-
-def estimated_tokens(request: Mapping[str, object], body_bytes: int, reserve_completion_tokens: int) -> int:
-    """Tokens to reserve for a parsed chat/completions request whose body was `body_bytes` long."""
-    return _estimate(request, reserve_completion_tokens, body_bytes=body_bytes).total
 
 
 def charge_for(prompt: int, output: int, usage: Usage | None, *, sent: bool, backend_error: bool = False) -> Usage:

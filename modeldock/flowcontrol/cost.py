@@ -179,13 +179,18 @@ def write_output_limit(body: dict[str, Any], per_choice: int, *, chat: bool) -> 
         body["max_tokens"] = per_choice
 
 
+def _bytes_tokens(body_bytes: int) -> int:
+    """A body's bytes / 4, rounded up: the budgets' prompt estimate, an upper bound."""
+    return -(-max(body_bytes, 0) // CHARS_PER_TOKEN)
+
+
 def request_cost(body: dict[str, Any], body_bytes: int, *, chat: bool, default_per_choice: int
                  ) -> tuple[RequestCost, bool]:
     """The director's one estimate of a parsed request (strict: a limit vLLM would refuse is a 400 naming
     the field), and whether reading its limit rewrote the body (read_output_limit)."""
     limit, normalised = read_output_limit(body, chat=chat)
     return RequestCost(prompt_tokens=max(1, _prompt_tokens(body)), max_new_tokens=limit.tokens(default_per_choice),
-                       prompt_bound=-(-max(body_bytes, 0) // CHARS_PER_TOKEN), limit=limit), normalised
+                       prompt_bound=_bytes_tokens(body_bytes), limit=limit), normalised
 
 
 def estimate_cost(body: Mapping[str, Any], default_max_tokens: int, *, body_bytes: int | None = None,
@@ -198,7 +203,7 @@ def estimate_cost(body: Mapping[str, Any], default_max_tokens: int, *, body_byte
     prompt is counted from its text (at least 1 token), or, given `body_bytes`, as the body's bytes / 4
     (an upper bound, for budgets).
     """
-    bound = 0 if body_bytes is None else -(-max(body_bytes, 0) // CHARS_PER_TOKEN)
+    bound = 0 if body_bytes is None else _bytes_tokens(body_bytes)
     prompt = max(1, _prompt_tokens(body)) if body_bytes is None else bound
     if limit is None:
         limit, _ = read_output_limit(body if isinstance(body, dict) else dict(body), chat="messages" in body,

@@ -167,7 +167,7 @@ class Dispatcher:
     def _picked(self, request: Waiting, headroom: Headroom | None, fast: bool) -> Pick:
         slots, tokens = headroom or (0, None)
         pick = self.pick_and_count(request.model, request.prefix, cost=request.cost, subset=request.subset,
-                          prefer_fast=fast, output=request.output, headroom=slots, headroom_tokens=tokens)
+                                   prefer_fast=fast, output=request.output, headroom=slots, headroom_tokens=tokens)
         self.standing.served(request.model, request.tenant, request.cost, request.weight)
         return pick
 

@@ -7,11 +7,12 @@ import asyncio
 import pytest
 
 from modeldock.budgets.budgets import TokenBudgets, matching_budgets
-from modeldock.budgets.tokens import Usage, estimated_tokens
+from modeldock.budgets.tokens import Usage
 from modeldock.budgets.window import TokenWindow
 from modeldock.clock import FakeClock
 from modeldock.config import ConfigError, TenantConfig, hash_key, parse_config
 from modeldock.errors import RateLimited
+from modeldock.flowcontrol.cost import estimate_cost
 from tests.unit.budgets.budget_helpers import budget_config, budget_tenant
 
 
@@ -167,10 +168,11 @@ def test_window_reports_existing_id_without_adding() -> None:
 
 
 def test_estimate_and_usage_parsing() -> None:
-    assert estimated_tokens({"max_tokens": 100}, 400, 1024) == 200
+    # The budgets' estimate: the body's bytes / 4 plus the output limit (the one estimator, lenient here).
+    assert estimate_cost({"max_tokens": 100}, 1024, body_bytes=400).total == 200
     # Both limits set: the estimator counts the larger (whichever the backend applies).
-    assert estimated_tokens({"max_completion_tokens": 50, "max_tokens": 100, "n": 2}, 4, 1024) == 201
-    assert estimated_tokens({"max_tokens": True, "n": 0}, 0, 7) == 1  # vLLM's lax int: True is 1
+    assert estimate_cost({"max_completion_tokens": 50, "max_tokens": 100, "n": 2}, 1024, body_bytes=4).total == 201
+    assert estimate_cost({"max_tokens": True, "n": 0}, 7, body_bytes=0).total == 1  # vLLM's lax int: True is 1
     assert Usage.from_mapping({"prompt_tokens": 3, "completion_tokens": 4.0}) == Usage(3, 4)
     assert Usage.from_mapping({"prompt_tokens": 3}) is None
     assert Usage.from_mapping({"prompt_tokens": -1, "completion_tokens": 1}) is None
