@@ -201,6 +201,10 @@ class Lifecycle:
                 self.settlements.forget(request.rid)
         self.hooks.on_finished(request, self._clock.monotonic() - request.started)
 
+    def opened(self) -> int:
+        """Routed requests whose stream is still open here."""
+        return len(self._open)
+
     def pending(self) -> int:
         """Ended requests waiting for their usage report (not __len__: an empty registry is still one)."""
         return len(self.settlements)

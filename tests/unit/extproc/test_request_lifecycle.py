@@ -127,6 +127,31 @@ async def test_a_report_after_the_end_settles_and_none_within_grace_settles_with
     assert len(settles.calls) == 2
 
 
+async def test_the_registry_holds_nothing_after_a_rejected_a_retried_a_cut_or_an_unrouted_request() -> None:
+    gw, lifecycle, settles, _ = registry()
+    # Rejected (a key nobody has): answered, never routed, nothing held.
+    refused = RequestFlow(gw, lifecycle=lifecycle)
+    resp = await asyncio.wait_for(refused.handle(body_request(BODY, authorization="Bearer nobody")), 5)
+    assert resp.WhichOneof("response") == "immediate_response"
+    refused.finish()
+    # Retried onto another endpoint, then reported.
+    retried = await routed_flow(gw, lifecycle)
+    lifecycle.retried(retried.rid, next(a for a in (A, B, C) if a != retried.primary))
+    # Cut mid-stream: its stream ends and no report ever comes.
+    cut = await routed_flow(gw, lifecycle)
+    # A stream that ended before its body came (the client left at once).
+    RequestFlow(gw, lifecycle=lifecycle).finish()
+    assert lifecycle.opened() == 2 and gw.picker.total_in_flight() == 2
+    retried.finish()
+    lifecycle.reported(report(retried.rid))
+    cut.finish()
+    assert lifecycle.opened() == 0 and lifecycle.pending() == 1 and gw.picker.total_in_flight() == 0
+    settles.clock.advance(lifecycle.settlements.grace)
+    lifecycle.settlements.expire()
+    assert lifecycle.pending() == 0 and [rid for rid, _ in settles.calls] == [retried.rid, cut.rid]
+    assert settles.calls[1] == (cut.rid, None)  # no report: settled without one (its reservation charged)
+
+
 async def test_picker_mode_settles_at_the_stream_end_and_ignores_the_access_log() -> None:
     gw, lifecycle, settles, hooks = registry(await_reports=False)
     flow = PickerFlow(gw, lifecycle=lifecycle)
