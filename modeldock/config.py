@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modeldock.flowcontrol.config import QueueConfig
 from modeldock.picking.config import RoutingConfig  # imports pydantic only (picking/__init__ is lazy)
+from modeldock.sharing.config import SharingConfig
 from modeldock.types import Endpoint
 from modeldock.usage.config import UsageConfig
 
@@ -297,6 +298,7 @@ class Config(_Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     listener: ListenerConfig = ListenerConfig()
     queue: QueueConfig = QueueConfig()
+    sharing: SharingConfig = SharingConfig()
     # Per-request usage records (modeldock/usage/README.md); absent = none written.
     usage: UsageConfig | None = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -26,8 +27,12 @@ from modeldock.gateway.lifecycle import Lifecycle, Outcome
 from modeldock.gateway.settlement import UsageReport
 from modeldock.health import Health
 from modeldock.picking.factory import build_picker
+from modeldock.picking.picker import Picker
 from modeldock.picking.scrape import Scraper
 from modeldock.process import freeze_startup_objects, run_until_signalled
+from modeldock.redis_client import make_redis_client
+from modeldock.sharing.store import RedisShareStore
+from modeldock.sharing.sync import Sharing
 from modeldock.types import cluster_name
 from modeldock.usage.log import UsageLog
 from modeldock.xds.client import AdsClient
@@ -146,6 +151,7 @@ class ExtProcServer:
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self.metrics.pending_settlements.set_function(lambda: self.lifecycle.pending())
+        self.sharing = _sharing(config, self.picker, self.clock, self.registry)
         self._server: grpc.aio.Server | None = None
         # Fixed when the server is built: a reload cannot change it (see _watch_config).
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)
@@ -159,6 +165,8 @@ class ExtProcServer:
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self.xds.run(), name="xds-client"))
         self.scraper.start()
+        if self.sharing is not None:
+            self.sharing.start()
         if self.options.config_path is not None:
             path = self.options.config_path
             watch = FileWatch(path, lambda: self._reload_config(path), interval=self.options.reload_interval)
@@ -184,6 +192,12 @@ class ExtProcServer:
     async def _serving_when_synced(self) -> None:
         # Until the first endpoints arrive every request would get a 503: not ready yet.
         await self.xds.synced.wait()
+        if self.sharing is not None:
+            # A new replica that knew nothing of its peers' requests would start by overcommitting the
+            # room they hold: ready after the first exchange (bounded: with Redis down, the local view).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.sharing.ttl):
+                    await self.sharing.first.wait()
         if not self._draining:
             await self.health.set_serving(True)
 
@@ -232,9 +246,26 @@ class ExtProcServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.scraper.stop()
+        if self.sharing is not None:
+            await self.sharing.stop()
         await self.admission.close()
         await self.gateway.budgets.close()
         self.usage.close()  # after draining: every settled request's record is written
+
+
+def _sharing(config: Config, picker: Picker, clock: Clock, registry: CollectorRegistry) -> Sharing | None:
+    """The shared load state (modeldock/sharing): on by default when a Redis is configured."""
+    url = config.limits.redis_url
+    enabled = config.sharing.enabled if config.sharing.enabled is not None else url is not None
+    if not enabled:
+        return None
+    if url is None:
+        raise ConfigError("sharing.enabled: true needs a Redis: set limits.redis_url (or $REDIS_URL)")
+    client = make_redis_client(url, config.sharing.timeout_ms / 1000.0)
+    sharing = Sharing(picker, RedisShareStore(client), clock, config.sharing, registry)
+    log.info("sharing load state with the other replicas through Redis as %s (every %d ms, forgotten after %d ms)",
+             sharing.replica, config.sharing.interval_ms, config.sharing.ttl_ms)
+    return sharing
 
 
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:

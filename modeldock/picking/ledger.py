@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from modeldock.clock import Clock
+from modeldock.picking.peers import RECENT_SECONDS, Holding, PeerLoad
 from modeldock.picking.signals import Load, Sample, Signals
 from modeldock.types import Endpoint
 
@@ -84,6 +85,8 @@ class Ledger:
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
         self._listeners: list[Callable[[str], None]] = []
         self._release_listeners: list[Callable[[Endpoint], None]] = []
+        self._picked_at: dict[int, float] = {}  # sequence number -> when claimed (the holdings' pick ages)
+        self._peers: dict[Endpoint, PeerLoad] = {}  # the other replicas' holdings (`set_peers`)
 
     # -- room ------------------------------------------------------------
 
@@ -204,6 +207,7 @@ class Ledger:
             return
         if seq in load.leases:
             load.remove(seq)
+            self._picked_at.pop(seq, None)
             for listener in self._release_listeners:
                 listener(endpoint)
         if load.in_flight == 0 and endpoint not in self.live:
@@ -215,12 +219,64 @@ class Ledger:
             load = self.loads[endpoint] = self._new_load(endpoint)
         self._seq += 1
         load.add(self._seq, tokens, output)
+        self._picked_at[self._seq] = self._clock.monotonic()
         return self._seq
 
     def _new_load(self, endpoint: Endpoint) -> Load:
         load = Load()
         load.declare(self._declared.get(endpoint, 0))
+        peer = self._peers.get(endpoint)
+        if peer is not None:
+            load.set_peer(peer)
         return load
+
+    # -- peers (other replicas' holdings: modeldock/sharing) ---------------
+
+    def holdings(self) -> list[Holding]:
+        """This replica's own requests in flight, per endpoint that has any (what its peers count)."""
+        now = self._clock.monotonic()
+        picked_at = self._picked_at
+        out = []
+        for ep, load in self.loads.items():
+            if not load.leases:
+                continue
+            outputs = load.outputs
+            picks = tuple((now - at, tokens, outputs.get(seq, 0)) for seq, tokens in load.leases.items()
+                          if (at := picked_at.get(seq, now)) > now - RECENT_SECONDS)
+            steps = load.steps
+            ends = tuple((due - steps, load.leases[seq]) for seq, due in load.due.items())
+            out.append(Holding(ep.address, len(load.leases), load.committed, picks, ends))
+        return out
+
+    def set_peers(self, peers: Mapping[str, PeerLoad]) -> None:
+        """The other replicas' holdings by address (empty: none, or no shared view: the local view).
+        Where they hold less than before, room may have appeared: the room listeners hear it."""
+        by_address = {ep.address: ep for ep in self.live}
+        now_peers: dict[Endpoint, PeerLoad] = {}
+        for address, peer in peers.items():
+            ep = by_address.get(address)
+            if ep is not None:
+                now_peers[ep] = peer
+        freed: set[Endpoint] = set()
+        for ep, before in self._peers.items():
+            after = now_peers.get(ep)
+            if after is None or after.in_flight < before.in_flight or after.committed < before.committed:
+                freed.add(ep)
+        self._peers = now_peers
+        for ep in set(self.loads) | set(now_peers):
+            load = self.loads.get(ep)
+            if load is None:
+                load = self.loads[ep] = self._new_load(ep)  # takes its peer in _new_load
+            else:
+                load.set_peer(now_peers.get(ep))
+        if freed and self._listeners:
+            for model, members in self._members.items():
+                if not freed.isdisjoint(members):
+                    self.room(model)
+
+    def peers(self, endpoint: Endpoint) -> PeerLoad | None:
+        """The other replicas' holdings on `endpoint` (None: none known)."""
+        return self._peers.get(endpoint)
 
     def in_flight(self, endpoint: Endpoint) -> int:
         load = self.loads.get(endpoint)

@@ -23,6 +23,7 @@ from modeldock.clock import Clock
 from modeldock.errors import Unavailable
 from modeldock.picking.ledger import Lease, Ledger
 from modeldock.picking.metrics import PickerMetrics
+from modeldock.picking.peers import Holding, PeerLoad
 from modeldock.picking.policies import Weighted, make_policy
 from modeldock.picking.registry import ScorerOptions, build_scorers
 from modeldock.picking.saturation import Saturation
@@ -204,6 +205,18 @@ class Picker:
     def loads(self) -> Mapping[Endpoint, Load]:
         """Every tracked endpoint's ledger entry, to read only."""
         return self._ledger.tracked()
+
+    def holdings(self) -> list[Holding]:
+        """This replica's own requests in flight per endpoint, for its peers (modeldock/sharing)."""
+        return self._ledger.holdings()
+
+    def set_peers(self, peers: Mapping[str, PeerLoad]) -> None:
+        """The other replicas' holdings by endpoint address ({}: the local view alone). `signals`,
+        scoring and the room rules count them from now on; the counts and metrics stay local."""
+        self._ledger.set_peers(peers)
+
+    def peers(self, endpoint: Endpoint) -> PeerLoad | None:
+        return self._ledger.peers(endpoint)
 
     def add_room_listener(self, listener: Callable[[str], None]) -> None:
         """`listener(model)` hears, synchronously, that room may have appeared for `model`: a

@@ -5,7 +5,10 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from modeldock.picking.peers import PeerLoad
 
 # A prompt is prefilled in chunks of at least this many tokens per engine step (vLLM's step
 # budget, max_num_batched_tokens, is larger), and only its last chunk's step yields a token.
@@ -155,6 +158,9 @@ class Load:
         # rates: what the pages teach, and the counter readings they are learned from
         "capacity", "block", "speed", "growth", "drain", "limit", "declared", "learned", "counter", "counted_at",
         "generated", "produced",
+        # peers: the other replicas' requests here (peers.py; set by `set_peer`, 0 with no peers)
+        "peer_in_flight", "peer_committed", "peer_picks", "peer_ends", "peer_new", "peer_new_tokens",
+        "peer_new_outputs",
     )
 
     def __init__(self) -> None:
@@ -195,6 +201,14 @@ class Load:
         self.counted_at = 0.0
         self.generated: float | None = None  # the output token counter at the last page learned from
         self.produced: float | None = None  # the output token counter at the last page
+        # -- peers (other replicas, summed; see `set_peer`) --
+        self.peer_in_flight = 0
+        self.peer_committed = 0
+        self.peer_picks: tuple[tuple[float, int, int], ...] = ()  # (picked at, tokens, output), recent ones
+        self.peer_ends: tuple[tuple[float, int], ...] = ()  # their entries in `ends`, on this step count
+        self.peer_new = 0  # of their picks, those after the sample (not in it yet), and their tokens
+        self.peer_new_tokens = 0
+        self.peer_new_outputs = 0
 
     @property
     def in_flight(self) -> int:
@@ -341,9 +355,12 @@ class Load:
         at = len(self.leases) if in_flight_at is None else in_flight_at
         sample = self.sample
         self.freed = 0.0  # this page's KV no longer counts what finished before it
+        self._peer_news()
         shown = sample.running + sample.waiting if sample is not None else float(at)
         unseen = at - int(shown) if shown < at else 0
-        self.whole = unseen == 0
+        # Every request the page should show, the peers' picked before it too: one it does not may have
+        # finished before it was read (no KV credit then, `remove`).
+        self.whole = unseen == 0 and shown >= at + self.peer_in_flight - self.peer_new
         extra = len(self.leases) - at + unseen
         if extra > 0:
             ordered = sorted(self.leases)
@@ -376,23 +393,59 @@ class Load:
                     if seq not in running:
                         due[seq] += stepped
                 leases = self.leases
-                self.ends = sorted((end, leases[seq]) for seq, end in due.items())
+                self.ends = sorted([*((end, leases[seq]) for seq, end in due.items()), *self.peer_ends])
         if sample is not None and sample.waiting <= 0 and len(running) < len(due):
             mark = self.mark
             running.update(seq for seq in due if seq <= mark)
 
+    def set_peer(self, peer: PeerLoad | None, steps_at: float | None = None) -> None:
+        """The other replicas' requests here now (None: none, or no shared view). Their counts and
+        tokens join this replica's in `signals`; their picks after the sample count as new; those that
+        said their output limit join `ends`, their steps left on this endpoint's step count."""
+        ends = self.ends
+        for entry in self.peer_ends:
+            i = bisect_left(ends, entry)
+            if i < len(ends) and ends[i] == entry:
+                del ends[i]
+        if peer is None:
+            self.peer_in_flight = self.peer_committed = 0
+            self.peer_picks = self.peer_ends = ()
+        else:
+            self.peer_in_flight, self.peer_committed = peer.in_flight, peer.committed
+            self.peer_picks = tuple(peer.picks)
+            steps = self.steps if steps_at is None else steps_at
+            self.peer_ends = tuple((steps + left, tokens) for left, tokens in peer.ends)
+            for entry in self.peer_ends:
+                insort(ends, entry)
+        self._peer_news()
+
+    def _peer_news(self) -> None:
+        """The peers' picks the sample cannot reflect yet: picked after it was taken."""
+        taken = self.taken_at
+        new = tokens = outputs = 0
+        for at, cost, output in self.peer_picks:
+            if at > taken:
+                new += 1
+                tokens += cost
+                outputs += output
+        self.peer_new, self.peer_new_tokens, self.peer_new_outputs = new, tokens, outputs
+
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
-        in_flight = len(self.leases)
+        # This replica's requests and, with a shared view, every other replica's (0 without).
+        in_flight = len(self.leases) + self.peer_in_flight
+        committed = self.committed + self.peer_committed
+        new_tokens = self.new_tokens + self.peer_new_tokens
+        new_outputs = self.new_outputs + self.peer_new_outputs
         ends = self.ends
         if sample is None or now - self.taken_at > stale_after:
             # Positional, in the declared order (see `Signals`): this runs per candidate per pick.
             return _build(Signals, (False, sample, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0,
-                                    in_flight, self.committed, self.new_tokens, self.new_outputs, self.steps, ends,
+                                    in_flight, committed, new_tokens, new_outputs, self.steps, ends,
                                     self.capacity, self.block, self.speed, self.growth, self.limit))
-        waiting, running = correct(sample, self.new, self.gone)
+        waiting, running = correct(sample, self.new + self.peer_new, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return _build(Signals, (True, sample, waiting, running, sample.kv, backlog if backlog > 0 else 0.0,
                                 self.gone_tokens, self.freed, now - self.taken_at,
-                                in_flight, self.committed, self.new_tokens, self.new_outputs, self.steps, ends,
+                                in_flight, committed, new_tokens, new_outputs, self.steps, ends,
                                 self.capacity, self.block, self.speed, self.growth, self.limit))

@@ -1,0 +1,33 @@
+"""What one replica publishes to its peers on every exchange, and its wire form (msgpack via msgspec)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from modeldock.picking.peers import Holding
+
+MAX_PAYLOAD_BYTES = 4 * 1024 * 1024  # a peer's share larger than this is refused, not decoded
+
+
+class ReplicaShare(msgspec.Struct, frozen=True):
+    """One replica's state for its peers: its requests in flight per endpoint and its standing.
+
+    Keyed by field name (not array-like) so that a replica of the next version, with a field more,
+    is still read during a rolling upgrade (unknown fields are ignored)."""
+
+    holdings: tuple[Holding, ...] = ()
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ReplicaShare)
+
+
+def encode(share: ReplicaShare) -> bytes:
+    return _encoder.encode(share)
+
+
+def decode(payload: bytes) -> ReplicaShare:
+    """The share, validated; raises msgspec.ValidationError / DecodeError on anything else."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise msgspec.DecodeError(f"share of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
+    return _decoder.decode(payload)
