@@ -46,6 +46,11 @@ def cmd_extproc(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("modeldock extproc: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    if args.workers > 1:
+        from modeldock.extproc.workers import run_workers
+
+        _load(args.config)  # a bad config fails here once, not in N children
+        return run_workers(args)
     config = _load(args.config)
     from modeldock.usage.writer import UsageSinkError
 
@@ -60,6 +65,12 @@ def cmd_extproc(args: argparse.Namespace) -> int:
         print(f"modeldock extproc: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _worker_count(text: str) -> int:
+    from modeldock.extproc.workers import worker_count
+
+    return worker_count(text)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -124,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--speed", type=float, default=1.0, help="simulator speed factor (default 1.0 = real time)")
     up.add_argument("--run-dir", help="where generated files and logs go (default: a new temp dir)")
     up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for Envoy (default 60)")
+    up.add_argument("--workers", type=_worker_count, default=1, metavar="N",
+                    help="ext_proc worker processes behind Envoy (1-64, default 1; see `extproc --workers`)")
     up.set_defaults(func=cmd_up)
 
     xds = sub.add_parser("xds", help="run the xDS (ADS) server", description="Serve EDS clusters per model over ADS.")
@@ -154,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "the ranked list with fallbacks (override_host: Istio)")
     ext.add_argument("--tls-cert", help="serve gRPC over TLS with this PEM certificate (needs --tls-key)")
     ext.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    ext.add_argument("--workers", type=_worker_count, default=1, metavar="N",
+                     help="run N ext_proc processes (1-64, default 1: this process serves) on ports "
+                          "--port..--port+N-1 (metrics ports --metrics-port..+N-1), each its own replica "
+                          "(MODELDOCK_REPLICA=<$MODELDOCK_REPLICA or host name>-w<i>), supervised by this "
+                          "process: SIGTERM drains them all, one that dies is restarted. Envoy must list all N: "
+                          "`modeldock envoy-config --extproc 127.0.0.1:18001,127.0.0.1:18002,...`. They share "
+                          "load state only through Redis (limits.redis_url / $REDIS_URL)")
     ext.set_defaults(func=cmd_extproc)
 
     env = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this control plane")

@@ -3,6 +3,8 @@
 Starts simulated backends, the xDS server (static discovery), ext_proc and
 Envoy as child processes on loopback. Every child dies with this process
 (PR_SET_PDEATHSIG) and is stopped on Ctrl-C or SIGTERM, so none is left behind.
+With `--workers N`, ext_proc is `modeldock extproc --workers N` (N processes on consecutive ports, one
+supervisor) and Envoy's ext_proc cluster lists all N.
 """
 
 from __future__ import annotations
@@ -61,6 +63,53 @@ def free_port() -> int:
     with socket.socket() as s:  # the whole range is busy: take what the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports free now and new to this process (ext_proc workers)."""
+    if count == 1:
+        return free_port()
+    for _ in range(200):
+        first = _ports.randrange(_PORT_LOW, _PORT_HIGH - count)
+        block = range(first, first + count)
+        if _given.intersection(block) or not all(_bindable(p) for p in block):
+            continue
+        _given.update(block)
+        return first
+    raise OSError(f"no {count} consecutive free ports in {_PORT_LOW}-{_PORT_HIGH}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def extproc_command(py: list[str], config_path: Path, port: int, xds_port: int, workers: int) -> list[str]:
+    """`modeldock extproc` as `up` runs it: with `workers` > 1, the supervisor of ports port..port+workers-1."""
+    cmd = [*py, "extproc", "--config", str(config_path), "--port", str(port), "--xds", f"127.0.0.1:{xds_port}"]
+    return [*cmd, "--workers", str(workers)] if workers > 1 else cmd
+
+
+def up_bootstrap(config: Config, listen_port: int, admin_port: int, xds_port: int, extproc_port: int,
+                 workers: int = 1) -> BootstrapOptions:
+    """Envoy's options for `up`: every ext_proc worker a host of the ext_proc cluster."""
+    endpoints = tuple(f"127.0.0.1:{extproc_port + i}" for i in range(workers)) if workers > 1 else ()
+    return BootstrapOptions(
+        listen_port=listen_port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_port,
+        extproc_endpoints=endpoints, buffer_limit=config.limits.max_body_bytes, listener=config.listener,
+    )
+
+
+def sharing_note(workers: int, config: Config, environ: Mapping[str, str]) -> str | None:
+    """The line `up` prints when its workers see only their own requests (no Redis to share through)."""
+    if workers <= 1 or config.limits.redis_url or environ.get("REDIS_URL"):
+        return None
+    return (f"modeldock: {workers} ext_proc workers share load state only through Redis (limits.redis_url or "
+            "$REDIS_URL); without one, each sees only its own requests (rate limits, picker load)")
 
 
 def _die_with_parent() -> None:
@@ -190,15 +239,16 @@ def run_up(args: argparse.Namespace) -> int:
             config = parse_config(data, "built-in demo config")
             config_path = run_dir / "config.yaml"
             config_path.write_text(yaml.safe_dump(data, sort_keys=False))
-        xds_port, extproc_port, admin_port = free_port(), free_port(), free_port()
+        workers: int = args.workers
+        xds_port, extproc_port, admin_port = free_port(), free_ports(workers), free_port()
+        note = sharing_note(workers, config, os.environ)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         sup.start("xds", [*py, "xds", "--config", str(config_path), "--port", str(xds_port)])
-        sup.start("extproc", [*py, "extproc", "--config", str(config_path), "--port", str(extproc_port),
-                              "--xds", f"127.0.0.1:{xds_port}"])
+        sup.start("extproc", extproc_command(py, config_path, extproc_port, xds_port, workers))
         bootstrap = run_dir / "envoy.yaml"
-        bootstrap.write_text(render_bootstrap(BootstrapOptions(
-            listen_port=args.port, admin_port=admin_port, xds_port=xds_port, extproc_port=extproc_port,
-            buffer_limit=config.limits.max_body_bytes, listener=config.listener,
-        )))
+        bootstrap.write_text(render_bootstrap(up_bootstrap(config, args.port, admin_port, xds_port, extproc_port,
+                                                           workers)))
         sup.start("envoy", [envoy_binary(), "-c", str(bootstrap), "--use-dynamic-base-id",
                             "--log-level", "warn", "--drain-time-s", "2"])
         admin = f"http://127.0.0.1:{admin_port}"
