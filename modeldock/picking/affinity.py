@@ -28,8 +28,10 @@ class PrefixAffinity:
     name = "prefix"
     load = False
 
-    def __init__(self, capacity: int = 200_000) -> None:
+    def __init__(self, capacity: int = 200_000, *, homing: bool = True) -> None:
         self.index = PrefixIndex(capacity)
+        # False: the rule before homes (no opinion without a record), for benchmarks/affinity_replicas.py.
+        self.homing = homing
         self._keys: dict[Endpoint, int] = {}  # endpoint -> its rendezvous key (prefix.endpoint_key)
 
     def home(self, blocks: Sequence[int], candidates: Sequence[Endpoint]) -> Endpoint | None:
@@ -43,6 +45,8 @@ class PrefixAffinity:
             return None
         matched = self.index.matched(blocks, endpoints)
         if not matched:  # nobody here has seen this prompt's beginning: its home, alike in every replica
+            if not self.homing:
+                return None
             best = home(blocks[0], endpoints, self._keys)
             return [0.0 if ep == best else 1.0 for ep in endpoints]
         n = len(blocks)
@@ -53,7 +57,7 @@ class PrefixAffinity:
         if not blocks:
             return []
         seen = list(self.index.matched(blocks[:1], candidates))
-        if seen:
+        if seen or not self.homing:
             return seen
         best = home(blocks[0], candidates, self._keys)
         return [best] if best is not None else []

@@ -126,3 +126,12 @@ def test_with_history_the_replicas_own_table_decides() -> None:
     assert first_sends(fresh, range(1)) == [other]
     # Deeper blocks only: a prompt sharing just the first block still follows the table, not a home.
     assert fresh_affinity.nominate(PickRequest("m", prompt(0)[:1]), EPS) == [other]
+
+
+def test_without_homing_a_prefix_with_no_record_gets_no_opinion() -> None:
+    """The rule before homes, kept for benchmarks/affinity_replicas.py's side-by-side run."""
+    affinity = PrefixAffinity(homing=False)
+    request = PickRequest("m", prompt(0))
+    assert affinity.score(request, EPS, []) is None and affinity.nominate(request, EPS) == []
+    homing = PrefixAffinity()
+    assert homing.nominate(request, EPS) == [homing.home(request.prefix_blocks, EPS)]
