@@ -32,7 +32,7 @@ from modeldock.picking.scrape import Scraper
 from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.redis_client import make_redis_client
 from modeldock.sharing.store import RedisShareStore
-from modeldock.sharing.sync import Sharing
+from modeldock.sharing.sync import Sharing, SharingMetrics
 from modeldock.types import cluster_name
 from modeldock.usage.log import UsageLog
 from modeldock.xds.client import AdsClient
@@ -152,6 +152,8 @@ class ExtProcServer:
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self.metrics.pending_settlements.set_function(lambda: self.lifecycle.pending())
         self.sharing = _sharing(config, self.picker, self.clock, self.registry)
+        if self.sharing is None:
+            SharingMetrics(self.registry)  # exported all the same: `modeldock_sharing_shared 0` says it is off
         self._server: grpc.aio.Server | None = None
         # Fixed when the server is built: a reload cannot change it (see _watch_config).
         self.receive_limit = grpc_receive_limit(config.limits.max_body_bytes)

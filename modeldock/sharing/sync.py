@@ -47,6 +47,8 @@ class SharingMetrics:
                             "0 on the local view (sharing off, or Redis unreachable for the TTL)", registry=registry)
         self.exchanges = Counter("modeldock_sharing_exchanges", "Exchanges with the peers by outcome",
                                  ["outcome"], registry=registry)
+        for outcome in ("ok", "error", "timeout"):  # every outcome exported from the start, at 0
+            self.exchanges.labels(outcome)
         self.seconds = Histogram("modeldock_sharing_exchange_seconds", "One exchange's Redis round trip",
                                  buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25), registry=registry)
         self.bad_shares = Counter("modeldock_sharing_bad_shares", "Peer shares that did not decode (skipped)",

@@ -17,6 +17,7 @@ from modeldock.extproc.flow import RequestFlow
 from modeldock.flowcontrol.metrics import QueueMetrics
 from modeldock.gateway import Gateway
 from modeldock.picking.metrics import EndpointRow, PickerMetrics, ScrapeMetrics
+from modeldock.sharing.sync import SharingMetrics
 from modeldock.sim.config import SimConfig
 from modeldock.sim.metrics import SimMetrics
 from modeldock.usage.metrics import UsageMetrics
@@ -72,6 +73,9 @@ def modeldock_registry() -> CollectorRegistry:
     xds.age.labels("m").set(0.5)
     xds.endpoints.labels("m").set(2)
     xds.stale.labels("m").set(0)
+    sharing = SharingMetrics(registry)
+    for outcome in ("ok", "error", "timeout"):
+        sharing.exchanges.labels(outcome).inc()
     return registry
 
 
@@ -129,7 +133,8 @@ def test_every_area_has_a_panel() -> None:
                  "vllm:time_to_first_token_seconds_bucket", "envoy_cluster_upstream_rq_time_bucket",
                  "modeldock_queue_length", "modeldock_queue_wait_seconds_bucket", "modeldock_queue_rejected_total",
                  "modeldock_picker_in_flight", "modeldock_picker_score", "modeldock_picker_sample_age_seconds",
-                 "modeldock_xds_endpoints", "modeldock_xds_stale", "modeldock_xds_nacks_total"):
+                 "modeldock_xds_endpoints", "modeldock_xds_stale", "modeldock_xds_nacks_total",
+                 "modeldock_sharing_shared", "modeldock_sharing_peer_in_flight", "modeldock_sharing_exchanges_total"):
         assert name in used, f"no panel reads {name}"
 
 
