@@ -100,3 +100,46 @@ def test_two_workers_both_serve_restart_and_stop_leaving_nothing(tmp_path: Path)
             workers.kill()
             workers.wait(10)
         sup.stop_all(timeout=5)
+
+
+def test_up_with_two_workers_spreads_requests_over_both_and_stops_leaving_nothing(tmp_path: Path) -> None:
+    import openai
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [*PY, "up", "--port", str(port), "--backends", "1", "--speed", "50", "--workers", "2",
+         "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "MODELDOCK_API_KEY": "md-e2e-workers"})
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (lines and lines[-1].startswith("  Ctrl-C")):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        output = "".join(lines)
+        assert "Ctrl-C" in output, output
+        assert "2 ext_proc workers share load state only through Redis" in output
+        bootstrap = yaml.safe_load((tmp_path / "run" / "envoy.yaml").read_text())
+        admin = bootstrap["admin"]["address"]["socket_address"]["port_value"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="md-e2e-workers", max_retries=0,
+                               timeout=10)
+        for _ in range(20):
+            client.chat.completions.create(model="demo-model", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+        text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=2).read().decode()  # noqa: S310
+        # Envoy's count of ext_proc streams per worker (the health checks are not counted in rq_total).
+        streams = {line.split("::")[1]: int(line.rsplit("::", 1)[1]) for line in text.splitlines()
+                   if line.startswith("modeldock_extproc::") and "::rq_total::" in line}
+        assert len(streams) == 2 and all(n > 0 for n in streams.values()), streams
+        everything = descendants(proc.pid)
+        assert len(everything) >= 6  # a simulator, xDS, the supervisor and its 2 workers, Envoy
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    assert code == 0
+    time.sleep(0.2)
+    assert not [pid for pid in everything if alive(pid)], "processes left behind"
