@@ -88,10 +88,18 @@ def _bindable(port: int) -> bool:
         return True
 
 
+_WORKER_GRACE = 4.0
+_STOP_TIMEOUT = 10.0
+
+
 def extproc_command(py: list[str], config_path: Path, port: int, xds_port: int, workers: int) -> list[str]:
     """`modeldock extproc` as `up` runs it: with `workers` > 1, the supervisor of ports port..port+workers-1."""
     cmd = [*py, "extproc", "--config", str(config_path), "--port", str(port), "--xds", f"127.0.0.1:{xds_port}"]
-    return [*cmd, "--workers", str(workers)] if workers > 1 else cmd
+    if workers == 1:
+        return cmd
+    # The supervisor kills a worker still draining after grace + 5 s: with grace 4 that is within stop_all's
+    # 10 s, so no worker outlives `up` (one process alone is simply killed at 10 s).
+    return [*cmd, "--grace", str(_WORKER_GRACE), "--workers", str(workers)]
 
 
 def up_bootstrap(config: Config, listen_port: int, admin_port: int, xds_port: int, extproc_port: int,
@@ -155,7 +163,7 @@ class Supervisor:
     def exited(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
-    def stop_all(self, timeout: float = 10.0) -> None:
+    def stop_all(self, timeout: float = _STOP_TIMEOUT) -> None:
         # Front door first, so no new request arrives while the rest drains.
         for child in reversed(self.children):
             if child.proc.poll() is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from modeldock.cli import build_parser
+from modeldock.cli import build_parser, main
 from modeldock.clock import FakeClock
 from modeldock.config import Config, hash_key, parse_config
 from modeldock.envoy import render_bootstrap
@@ -258,6 +258,36 @@ def test_up_runs_the_supervisor_only_for_more_than_one_worker() -> None:
     one = extproc_command(["py"], Path("c.yaml"), 21000, 18000, 1)
     assert "--workers" not in one
     assert extproc_command(["py"], Path("c.yaml"), 21000, 18000, 4)[-2:] == ["--workers", "4"]
+
+
+def test_ups_workers_drain_within_the_10s_up_gives_each_child_to_stop() -> None:
+    # The supervisor kills a worker after drain delay + grace + 5 s; `up` kills the supervisor after 10 s,
+    # and a worker outliving it would be left behind.
+    args = build_parser().parse_args(extproc_command([], Path("c.yaml"), 21000, 18000, 2))
+    assert args.drain_delay + args.grace + 5 < 10
+
+
+def _config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"tenants": [{"id": "t", "api_key_hashes": [hash_key("k")], "models": ["*"]}],
+                                    "models": [{"name": "m", "endpoints": ["127.0.0.1:9"]}]}))
+    return path
+
+
+def test_extproc_workers_refuses_ports_past_65535_before_starting_any(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["extproc", "--config", str(_config_file(tmp_path)), "--port", "65535", "--workers", "2"])
+    assert code == 2
+    assert "--port 65535 with --workers 2 needs ports 65535-65536" in capsys.readouterr().err
+
+
+def test_extproc_workers_refuses_a_bad_config_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [{name: m, endpoints: ['nope:1']}]\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["extproc", "--config", str(bad), "--workers", "2"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("invalid config") == 1
 
 
 def test_up_says_workers_share_only_through_redis_when_none_is_configured() -> None:
