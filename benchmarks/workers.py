@@ -177,6 +177,10 @@ def report(paths: dict[str, FrontDoor]) -> str:
     cores = os.cpu_count() or 1
     verdict = (f"\n\n2 workers ÷ 1 worker, requests per second: **{rps(two) / rps(one):.2f}x**. "
                f"The one ext_proc process kept {one.extproc_cpu / one.wall:.2f} of a core busy (its ceiling is 1.0); ")
+    per_one, per_two = one.extproc_cpu / one.sent * 1000, two.extproc_cpu / two.sent * 1000
+    verdict += (f"ext_proc CPU per request was {per_two:.2f} ms over 2 workers against {per_one:.2f} ms in one "
+                f"({per_two / per_one:.2f}x; not broken down; likely two processes competing for the same cores, "
+                "each batching fewer streams per wake-up); ")
     busy = min(one.machine_cpu / one.wall, two.machine_cpu / two.wall)
     if busy >= 0.9 * cores:
         verdict += (f"the machine had {busy:.2f} of its {cores} cores busy in both paths, so the limit was the machine "
