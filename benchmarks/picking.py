@@ -58,6 +58,62 @@ def time_pick(endpoints: int = 8, policy: str = "default", rounds: int = 20000, 
     return elapsed / rounds * 1e6
 
 
+def _blocks_before(body: dict[str, object]) -> tuple[int, ...]:
+    """prefix.prompt_blocks before prefix homes: every block chained with Python's hash (salted per process)."""
+    from modeldock.picking.prefix import BLOCK_CHARS, MAX_BLOCKS, _prompt_text
+
+    text = _prompt_text(body)
+    blocks, h = [], 0
+    for start in range(0, min(len(text), BLOCK_CHARS * MAX_BLOCKS) - BLOCK_CHARS + 1, BLOCK_CHARS):
+        h = hash((h, text[start:start + BLOCK_CHARS]))
+        blocks.append(h)
+    return tuple(blocks)
+
+
+def time_prefix_pick(endpoints: int = 8, cold: bool = True, homing: bool = True, rounds: int = 2000) -> float:
+    """Mean µs for the prompt's block hashes of a chat request (a 2,400-character system prompt) plus one
+    pick and release with prefix affinity at its default weight: `cold`, every prompt's beginning new (no
+    record: with `homing` the prefix's home is computed), else 8 prefixes that recur (the table decides).
+    `homing=False` is the rule before (all blocks by Python's hash, no opinion without a record)."""
+    from modeldock.picking.affinity import PrefixAffinity
+    from modeldock.picking.picker import Picker
+    from modeldock.picking.prefix import prompt_blocks
+    from modeldock.picking.signals import Sample
+
+    clock = SystemClock()
+    picker = Picker(clock, prefix_weight=0.25, rng=random.Random(1))
+    affinity = picker.request_scorer("prefix")
+    assert isinstance(affinity, PrefixAffinity)
+    affinity.homing = homing
+    blocks_of = prompt_blocks if homing else _blocks_before
+    eps = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(endpoints)]
+    picker.set_endpoints("m", eps)
+    for i, ep in enumerate(eps):
+        picker.observe(ep, Sample(waiting=i % 3, running=10 + i, kv=0.1 * (i % 5)), clock.monotonic())
+    system = "You answer from the attached document only, citing it. " * 44
+    bodies: list[dict[str, object]] = [
+        {"model": "m", "messages": [{"role": "system", "content": f"{i if cold else i % 8} {system}"},
+                                    {"role": "user", "content": f"question {i}"}]} for i in range(rounds)]
+    start = time.perf_counter()
+    for body in bodies:
+        picker.pick("m", blocks_of(body)).lease.release()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
+def prefix_rows(rounds: int = 9) -> list[list[object]]:
+    """Before against prefix homes, per pool size and prompt kind; best of `rounds` alternating runs."""
+    rows: list[list[object]] = []
+    for n in (8, 64):
+        for cold in (True, False):
+            before, after = [], []
+            for _ in range(rounds):  # alternating, best of: noise only adds
+                before.append(time_prefix_pick(n, cold, homing=False))
+                after.append(time_prefix_pick(n, cold, homing=True))
+            a, b = min(before), min(after)
+            rows.append([str(n), "new" if cold else "recurring", f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}x"])
+    return rows
+
+
 def time_room_pick(endpoints: int, output: int | None, rounds: int = 20000) -> float:
     """Mean µs for one pick plus one release with saturation by room on: every endpoint's KV capacity
     and speed known and its sample fresh (so the tokens rule runs in full), nothing saturated."""
@@ -143,6 +199,8 @@ def main() -> None:
             with_metrics = time_pick(n, policy)
             bare = time_pick(n, policy, metrics=False)
             print(f"pick+release {policy:>13} n={n:<3}: {with_metrics:5.2f} µs ({bare:5.2f} µs without metrics)")
+    print("prompt blocks + pick+release with prefix affinity, µs (before homes / with them):")
+    print(table(["endpoints", "prefixes", "before", "homes", "ratio"], prefix_rows()))
     body = room_section()
     print(body)
     if "--write" in sys.argv[1:]:

@@ -135,3 +135,15 @@ def test_without_homing_a_prefix_with_no_record_gets_no_opinion() -> None:
     assert affinity.score(request, EPS, []) is None and affinity.nominate(request, EPS) == []
     homing = PrefixAffinity()
     assert homing.nominate(request, EPS) == [homing.home(request.prefix_blocks, EPS)]
+
+
+def test_homes_are_spread_evenly_over_the_endpoints() -> None:
+    """Rendezvous hashing is only as fair as its weight: each endpoint homes about its share of prefixes."""
+    many = [Endpoint(f"10.5.0.{i + 1}", 8000) for i in range(8)]
+    affinity = PrefixAffinity()
+    counts = dict.fromkeys(many, 0)
+    for i in range(4000):
+        home = affinity.home(prompt(i), many)
+        assert home is not None
+        counts[home] += 1
+    assert all(400 <= c <= 600 for c in counts.values()), counts  # 500 each when fair
