@@ -1,7 +1,8 @@
 """Microbenchmark: µs per parsed vLLM page and per pick (+ release), per policy; and the room rule's
 tokens check with the request's output limit known (the growth bound, `saturation.held_tokens`) against
 unknown (the committed tokens alone), side by side; and that bound against the step-by-step one
-(`saturation.fits_as_they_finish`) by requests on the endpoint.
+(`saturation.fits_as_they_finish`) by requests on the endpoint; and prompt blocks + pick with prefix
+affinity, before prefix homes against with them (`prefix_rows`).
 
     .venv/bin/python -m benchmarks.picking            # prints
     .venv/bin/python -m benchmarks.picking --write    # also writes the `picking-room` section of docs/benchmarks.md

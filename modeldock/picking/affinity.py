@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from modeldock.picking.prefix import PrefixIndex, home
+from modeldock.picking.prefix import PrefixIndex, home_index, multipliers
 from modeldock.picking.scorers import PickRequest
 from modeldock.picking.signals import Signals
 from modeldock.types import Endpoint
@@ -32,11 +32,24 @@ class PrefixAffinity:
         self.index = PrefixIndex(capacity)
         # False: the rule before homes (no opinion without a record), for benchmarks/affinity_replicas.py.
         self.homing = homing
-        self._keys: dict[Endpoint, int] = {}  # endpoint -> its rendezvous key (prefix.endpoint_key)
+        self._keys: dict[Endpoint, int] = {}  # endpoint -> its rendezvous multiplier (prefix.multipliers)
+        # The last candidate tuple's multipliers: the ledger hands out one tuple per model until the
+        # snapshot changes, and an Endpoint's hash runs in Python (a dataclass), so this saves n lookups.
+        self._last: tuple[Sequence[Endpoint], list[int]] = ((), [])
 
     def home(self, blocks: Sequence[int], candidates: Sequence[Endpoint]) -> Endpoint | None:
         """Where every replica sends this prompt's prefix when nobody has a record of it."""
-        return home(blocks[0], candidates, self._keys) if blocks else None
+        i = home_index(blocks[0], self._multipliers(candidates)) if blocks else -1
+        return candidates[i] if i >= 0 else None
+
+    def _multipliers(self, candidates: Sequence[Endpoint]) -> list[int]:
+        last, mults = self._last
+        if candidates is last:
+            return mults
+        mults = multipliers(candidates, self._keys)
+        if isinstance(candidates, tuple):  # immutable: safe to reuse while it is the one passed
+            self._last = (candidates, mults)
+        return mults
 
     def score(self, request: PickRequest, endpoints: Sequence[Endpoint],
               signals: Sequence[Signals]) -> Sequence[float] | None:
@@ -45,10 +58,11 @@ class PrefixAffinity:
             return None
         matched = self.index.matched(blocks, endpoints)
         if not matched:  # nobody here has seen this prompt's beginning: its home, alike in every replica
-            if not self.homing:
+            if not self.homing or not endpoints:
                 return None
-            best = home(blocks[0], endpoints, self._keys)
-            return [0.0 if ep == best else 1.0 for ep in endpoints]
+            values = [1.0] * len(endpoints)
+            values[home_index(blocks[0], self._multipliers(endpoints))] = 0.0
+            return values
         n = len(blocks)
         return [1.0 - matched.get(ep, 0) / n for ep in endpoints]
 
@@ -59,7 +73,7 @@ class PrefixAffinity:
         seen = list(self.index.matched(blocks[:1], candidates))
         if seen or not self.homing:
             return seen
-        best = home(blocks[0], candidates, self._keys)
+        best = self.home(blocks, candidates)
         return [best] if best is not None else []
 
     def picked(self, request: PickRequest, endpoint: Endpoint) -> None:
@@ -70,3 +84,4 @@ class PrefixAffinity:
         for ep in endpoints:
             self.index.forget(ep)
             self._keys.pop(ep, None)
+        self._last = ((), [])

@@ -83,25 +83,36 @@ def endpoint_key(endpoint: Endpoint) -> int:
 _MASK = (1 << 64) - 1
 
 
-def home(key: int, candidates: Iterable[Endpoint], keys: dict[Endpoint, int]) -> Endpoint | None:
+def multipliers(candidates: Iterable[Endpoint], keys: dict[Endpoint, int]) -> list[int]:
+    """The candidates' rendezvous multipliers, odd (a bijection of the key); `keys` caches them."""
+    out = []
+    for ep in candidates:
+        k = keys.get(ep)
+        if k is None:
+            k = keys[ep] = endpoint_key(ep) | 1
+        out.append(k)
+    return out
+
+
+def home_index(key: int, mults: Sequence[int]) -> int:
+    """Index of the highest rendezvous weight for prefix `key` among `multipliers` (-1 for none)."""
+    if not mults:
+        return -1
+    weights = [(key * m) & _MASK for m in mults]
+    return weights.index(max(weights))
+
+
+def home(key: int, candidates: Sequence[Endpoint], keys: dict[Endpoint, int]) -> Endpoint | None:
     """The candidate of highest rendezvous weight for prefix `key` (blocks[0]), None without candidates.
-    `keys` caches `endpoint_key` per endpoint. The weight depends on the key and the endpoint alone, so
+    `keys` caches each endpoint's multiplier. The weight depends on the key and the endpoint alone, so
     every replica with the same candidates chooses alike, whatever their order (a tie needs two weights
     equal in 64 bits), and removing one moves only its prefixes. The weight is multiplicative hashing,
     key x (endpoint key | 1) mod 2^64, both blake2b: one multiplication, 0.13 µs a candidate where a
     64-bit mixer (splitmix64) cost 0.3; each of 3, 8 or 64 endpoints is home to 0.97-1.05 of its fair
     share of random keys (measured). Python's hash of the pair would be as stable (ints and tuples are
     not salted) and cheap, but piles homes unevenly (0.05-3.5 of the fair share at 64)."""
-    best: Endpoint | None = None
-    top = -1
-    for ep in candidates:
-        k = keys.get(ep)
-        if k is None:
-            k = keys[ep] = endpoint_key(ep) | 1  # odd: a bijection of the key
-        weight = (key * k) & _MASK
-        if weight > top:
-            best, top = ep, weight
-    return best
+    i = home_index(key, multipliers(candidates, keys))
+    return candidates[i] if i >= 0 else None
 
 
 class PrefixIndex:
