@@ -206,20 +206,24 @@ class Standing:
         for other, at in m.classes.items():
             if other > priority and at > since:
                 return True
-        for other, at in m.peer_classes.items():
-            if other > priority and at > since:
-                return True
+        if m.peer_classes:  # (the guards keep the path without peers as it was)
+            for other, at in m.peer_classes.items():
+                if other > priority and at > since:
+                    return True
         self._expire(m, now)
         mine = self._decayed(m.served.get(tenant), now)
         served = self._decayed(m.served_total, now)
+        total = m.weights
         if m.peers:
             mine += self._peer_served(m, tenant, now)
             served += self._decayed(m.peer_total, now)
+            total += m.peer_only_weight
+            if tenant not in m.tenants and not self._peer_active(m, tenant, now):
+                total += weight
+        elif tenant not in m.tenants:
+            total += weight
         if mine <= 0.0:
             return False
-        total = m.weights + m.peer_only_weight
-        if tenant not in m.tenants and not self._peer_active(m, tenant, now):
-            total += weight
         # A hair of tolerance: alone, a tenant's share is everything, whatever the float rounding.
         return mine * total > weight * served * (1.0 + 1e-9)
 
@@ -269,16 +273,17 @@ class Standing:
         if not m.tenants:
             m.weights = 0.0  # no float drift left behind
         heap = m.peer_heap
-        while heap and heap[0][0] <= now:
-            until, tenant = heapq.heappop(heap)
-            p = m.peers.get(tenant)
-            if p is None or p[0] != until or tenant in m.tenants:
-                continue  # gone already, or still active here (it leaves with its window here)
-            m.peer_only -= 1
-            m.peer_only_weight -= p[1]
-            self._leaves(m, tenant, now)
-        if not m.peer_only:
-            m.peer_only_weight = 0.0
+        if heap and heap[0][0] <= now:
+            while heap and heap[0][0] <= now:
+                until, tenant = heapq.heappop(heap)
+                p = m.peers.get(tenant)
+                if p is None or p[0] != until or tenant in m.tenants:
+                    continue  # gone already, or still active here (it leaves with its window here)
+                m.peer_only -= 1
+                m.peer_only_weight -= p[1]
+                self._leaves(m, tenant, now)
+            if not m.peer_only:
+                m.peer_only_weight = 0.0
 
     def _leaves(self, m: _Model, tenant: str, now: float) -> None:
         """`tenant` is active on no replica now: its served tokens leave the totals."""
