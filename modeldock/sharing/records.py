@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import msgspec
 
+from modeldock.flowcontrol.standing_share import ModelStanding
 from modeldock.picking.peers import Holding
 
 MAX_PAYLOAD_BYTES = 4 * 1024 * 1024  # a peer's share larger than this is refused, not decoded
 
 
 class ReplicaShare(msgspec.Struct, frozen=True):
-    """One replica's state for its peers: its requests in flight per endpoint and its standing.
+    """One replica's state for its peers: its requests in flight per endpoint and its standing per model.
 
     Keyed by field name (not array-like) so that a replica of the next version, with a field more,
     is still read during a rolling upgrade (unknown fields are ignored)."""
 
     holdings: tuple[Holding, ...] = ()
+    standing: tuple[ModelStanding, ...] = ()  # its tenants' and classes' standing (flowcontrol/standing.py)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
 from modeldock.clock import Clock
+from modeldock.flowcontrol.standing_share import ModelStanding
 from modeldock.picking.peers import Holding, PeerLoad
 from modeldock.redis_client import LogThrottle, RedisUnavailable
 from modeldock.sharing.config import SharingConfig
@@ -37,6 +38,14 @@ class LoadBoard(Protocol):
     def holdings(self) -> list[Holding]: ...
 
     def set_peers(self, peers: Mapping[str, PeerLoad]) -> None: ...
+
+
+class StandingBoard(Protocol):
+    """What the fair queue's standing gives and takes (`Standing.share`, `Standing.apply_peers`)."""
+
+    def share(self) -> tuple[ModelStanding, ...]: ...
+
+    def apply_peers(self, peers: Sequence[Sequence[ModelStanding]]) -> None: ...
 
 
 class SharingMetrics:
@@ -65,8 +74,10 @@ class SharingMetrics:
 
 class Sharing:
     def __init__(self, board: LoadBoard, store: ShareStore, clock: Clock, config: SharingConfig,
-                 registry: CollectorRegistry | None = None, replica: str | None = None) -> None:
+                 registry: CollectorRegistry | None = None, replica: str | None = None,
+                 standing: StandingBoard | None = None) -> None:
         self._board = board
+        self._standing = standing
         self._store = store
         self._clock = clock
         self.replica = replica or config.replica_name()
@@ -97,7 +108,8 @@ class Sharing:
 
     async def exchange(self) -> bool:
         """One exchange; True when it reached Redis."""
-        share = encode(ReplicaShare(holdings=tuple(self._board.holdings())))
+        standing = self._standing.share() if self._standing is not None else ()
+        share = encode(ReplicaShare(holdings=tuple(self._board.holdings()), standing=standing))
         started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.timeout):
@@ -110,12 +122,16 @@ class Sharing:
         self.metrics.exchanges.labels("ok").inc()
         half_trip = (now - started) / 2  # the ages are Redis's at the script: about half the round trip ago
         shares: list[tuple[float, Sequence[Holding]]] = []
+        standings: list[Sequence[ModelStanding]] = []
         for _peer, age, payload in received:
             try:
-                shares.append((age + half_trip, decode(payload).holdings))
+                peer = decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.metrics.bad_shares.inc()
-        self._apply(PeerLoad.merge(shares, now), len(shares))
+                continue
+            shares.append((age + half_trip, peer.holdings))
+            standings.append(peer.standing)
+        self._apply(PeerLoad.merge(shares, now), len(shares), standings)
         if not self.shared:
             self.shared = True
             self.metrics.shared.set(1)
@@ -126,8 +142,11 @@ class Sharing:
         self.last_ok = now
         return True
 
-    def _apply(self, peers: Mapping[str, PeerLoad], count: int) -> None:
+    def _apply(self, peers: Mapping[str, PeerLoad], count: int,
+               standings: Sequence[Sequence[ModelStanding]] = ()) -> None:
         self._board.set_peers(peers)
+        if self._standing is not None:
+            self._standing.apply_peers(standings)
         self.metrics.peers.set(count)
         self.metrics.peer_in_flight.set(sum(p.in_flight for p in peers.values()))
         self.metrics.peer_committed.set(sum(p.committed for p in peers.values()))

@@ -4,8 +4,9 @@ for unit and property tests. Every replica's store is a view of one `ShareHub`; 
 
 from __future__ import annotations
 
-from modeldock.clock import FakeClock
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+from modeldock.clock import FakeClock
 
 
 class ShareHub:

@@ -74,7 +74,8 @@ async def test_the_room_is_the_pools_a_peer_filled_it_and_this_replica_refuses(h
     assert b.picker.pick("m", cost=50).primary == EP  # what still fits, fits
 
 
-async def test_a_peers_picks_after_the_sample_are_new_and_those_before_are_in_it(hub: ShareHub, clock: FakeClock) -> None:
+async def test_a_peers_picks_after_the_sample_are_new_and_those_before_are_in_it(hub: ShareHub,
+                                                                                 clock: FakeClock) -> None:
     a, b = Replica("a", hub), Replica("b", hub)
     a.picker.pick("m", cost=100, output=10)
     clock.advance(0.3)
@@ -189,3 +190,33 @@ def test_a_share_round_trips_and_a_malformed_one_is_refused() -> None:
     assert decode(encode(share)) == share
     with pytest.raises(Exception, match="Expected"):
         decode(encode(ReplicaShare()).replace(b"\x90", b"\xa1x"))
+
+
+async def test_standing_travels_with_the_holdings_and_leaves_with_the_fallback(clock: FakeClock) -> None:
+    from modeldock.flowcontrol.standing import Standing
+
+    hub = ShareHub(clock)
+    standings = {name: Standing(clock, window=5.0, share_window=10.0) for name in ("a", "b")}
+    pickers, sharings = {}, {}
+    for name in ("a", "b"):
+        pickers[name] = Picker(clock, fallbacks=0, rng=random.Random(1))
+        pickers[name].set_endpoints("m", [EP])
+        sharings[name] = Sharing(pickers[name], hub.store(), clock, CONFIG, CollectorRegistry(), replica=name,
+                                 standing=standings[name])
+    # A floods through replica a; B sends a little through replica b.
+    for _ in range(10):
+        standings["a"].seen("m", "A", 1.0, 0)
+        standings["a"].served("m", "A", 1000, 1.0)
+    standings["b"].seen("m", "B", 1.0, 0)
+    standings["b"].served("m", "B", 100, 1.0)
+    assert not standings["a"].must_leave_headroom("m", "A", 1.0, 0)  # alone here: all of the share is A's
+    await sharings["a"].exchange()
+    await sharings["b"].exchange()
+    await sharings["a"].exchange()
+    assert standings["a"].must_leave_headroom("m", "A", 1.0, 0)  # B, owed half, is seen through replica b
+    assert not standings["b"].must_leave_headroom("m", "B", 1.0, 0)
+    assert standings["a"].active_weight("m") == 2.0
+    hub.down = True
+    clock.advance(2.1)
+    await sharings["a"].exchange()
+    assert not sharings["a"].shared and standings["a"].active_weight("m") == 1.0  # the local view again
