@@ -213,6 +213,7 @@ class Outcome:
     ttft: float | None
     e2e: float | None
     detail: str | None = None  # the error body's start (300 characters at most)
+    kind: str | None = None  # the request's class: "short" or "long"
 
 
 def clean_429(detail: str | None) -> bool | None:
@@ -260,6 +261,39 @@ def aggregate(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 def by_tenant(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
     tenants = sorted({o.tenant for o in outcomes})
     return {t: aggregate([o for o in outcomes if o.tenant == t]) for t in tenants}
+
+
+def by_class(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
+    """The aggregate of each request class (short, long) apart: a pooled p95 can move from one class
+    into the other when the mix of served requests changes, so each class is reported on its own too."""
+    kinds = sorted({o.kind for o in outcomes if o.kind is not None})
+    return {k: aggregate([o for o in outcomes if o.kind == k]) for k in kinds}
+
+
+# -- replicas ---------------------------------------------------------------------------------
+
+
+def route(n: int, live: Sequence[bool]) -> int:
+    """The replica the n-th arrival of a round robin goes to: n mod replicas, or, if that replica is
+    down, the next live one after it (its clients fail over to the survivors)."""
+    if not any(live):
+        raise ValueError("no live replica")
+    first = n % len(live)
+    return next(i % len(live) for i in range(first, first + len(live)) if live[i % len(live)])
+
+
+def counter_between(samples: Sequence[tuple[float, float]], begin: float, end: float) -> float | None:
+    """How much a sampled counter grew over [begin, end]: the last sample at or before `end` minus the
+    last one at or before `begin` (None without a sample at or before `begin`)."""
+    before = [v for t, v in samples if t <= begin]
+    upto = [v for t, v in samples if t <= end]
+    return upto[-1] - before[-1] if before else None
+
+
+def back_above_zero(samples: Sequence[tuple[float, float | None]], since: float) -> float | None:
+    """Seconds from `since` to the first sample at or after it whose value is above 0 (a gauge that is
+    back), None if it never is (or the metric is not exported: value None)."""
+    return next((t - since for t, v in samples if t >= since and v is not None and v > 0), None)
 
 
 def bootstrap_p95(values: Sequence[float], seed: int = 0, rounds: int = 400) -> tuple[float, float] | None:

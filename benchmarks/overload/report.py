@@ -262,8 +262,12 @@ def gross_cpu(r: dict[str, Any]) -> str:
 
 
 def body(saved: dict[str, Any]) -> str:
+    """The whole section; with several runs (`--replicas`), the per-config tables are the first run's and
+    report_replicas adds the classes, ratios, replica counts, kill and Redis-down tables."""
+    from benchmarks.overload.report_replicas import sections  # it imports this module's helpers
+
     parts = [section_setup(saved), section_overload(saved), section_noisy(saved), section_priority(saved),
-             section_below(saved),
+             section_below(saved), *sections(saved),
              f"\nTotal wall time of the benchmark: {saved['elapsed_s'] / 60:.1f} min. "
              "Raw results: `--run-dir DIR` keeps DIR/results.json and every process log.\n"]
     return "\n".join(p for p in parts if p)

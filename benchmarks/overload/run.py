@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -35,15 +36,17 @@ import aiohttp
 
 from benchmarks._proc import cpu_seconds
 from benchmarks._report import write_section
-from benchmarks.overload import plan
-from benchmarks.overload.plan import Capacity, GatewayConfig, Mix, Outcome, Tenant
+from benchmarks.overload import phases, plan
+from benchmarks.overload.phases import Event, Plan, Sampler, Sent
+from benchmarks.overload.plan import Capacity, GatewayConfig, Mix, Outcome
 from benchmarks.overload.report import body
-from benchmarks.routing.driver import Timed, drive
+from benchmarks.routing.driver import Timed
 from benchmarks.routing.workloads import Request
 from modeldock.bench.metrics import RequestRecord, StreamObserver, ttft
 from modeldock.bench.runner import stream_request
 from modeldock.bench.stats import nearest_rank
-from modeldock.devstack.stack import Stack, http_json, running_stack, wait_until
+from modeldock.devstack.redis_server import RedisServer
+from modeldock.devstack.stack import Replicas, Sim, Stack, http_json, replica_stacks, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = ".venv/bin/python -m benchmarks.overload.run"
@@ -54,9 +57,19 @@ TENANT = {t.id: t for t in plan.TENANTS}
 @dataclass
 class Ctx:
     args: argparse.Namespace
-    stack: Stack
+    reps: Replicas
     capacity: Capacity
     mix: Mix
+    redis: RedisServer | None = None  # the shared Redis, when this run's configs use one
+    live: list[bool] = field(default_factory=list)  # False: that replica was killed
+
+    def __post_init__(self) -> None:
+        self.live = self.live or [True] * len(self.reps.stacks)
+
+    @property
+    def stacks(self) -> list[Stack]:
+        """The replicas still running."""
+        return [s for s, up in zip(self.reps.stacks, self.live, strict=True) if up]
 
 
 # -- plumbing ---------------------------------------------------------------------------------
@@ -68,58 +81,60 @@ def sim_args(args: argparse.Namespace) -> list[str]:
             "--max-model-len", str(min(4096, args.num_gpu_blocks * 16))]
 
 
-def wait_idle(stack: Stack, settle: float) -> None:
-    """Nothing running or waiting on any simulator; then `settle` s so the scraper saw it idle."""
-    wait_until(lambda: all(s.stats()["running"] == 0 and s.stats()["waiting"] == 0 for s in stack.sims),
+def wait_idle(sims: Sequence[Sim], settle: float) -> None:
+    """Nothing running or waiting on any simulator; then `settle` s so the scrapers saw it idle."""
+    wait_until(lambda: all(s.stats()["running"] == 0 and s.stats()["waiting"] == 0 for s in sims),
                180, 0.1, "simulators idle")
     time.sleep(settle)
 
 
-def preemptions(stack: Stack) -> float:
-    return sum(stack.metric(PREEMPTIONS, port=s.port) for s in stack.sims)
+def preemptions(sims: Sequence[Sim]) -> float:
+    return sum(phases.gauge(s.port, PREEMPTIONS) or 0.0 for s in sims)
 
 
-def extproc_cpu(stack: Stack) -> float:
-    return sum(cpu_seconds(c.proc.pid) for c in stack.sup.children if c.name.startswith("extproc"))
+def extproc_cpu(stacks: Sequence[Stack]) -> float:
+    return sum(cpu_seconds(c.proc.pid) for st in stacks for c in st.sup.children if c.name.startswith("extproc"))
 
 
 def outcome(tenant: str, t: Timed) -> Outcome:
-    return Outcome(tenant, t.record.error, t.ttft, t.e2e, t.record.detail)
+    return Outcome(tenant, t.record.error, t.ttft, t.e2e, t.record.detail, t.request.kind)
 
 
-async def _open_loop(url: str, plans: Sequence[tuple[Tenant, Sequence[Request]]],
-                     timeout: float) -> list[tuple[str, list[Timed]]]:
-    start = perf_counter() + 0.3  # every tenant on one schedule
-    results = await asyncio.gather(*(drive(url, plan.MODEL, t.key, reqs, 1.0, timeout=timeout, start_at=start)
-                                     for t, reqs in plans))
-    return [(t.id, r.timed) for (t, _), r in zip(plans, results, strict=True)]
-
-
-def phase(ctx: Ctx, name: str, plans: Sequence[tuple[Tenant, Sequence[Request]]],
-          idle_s: float = 0.0) -> dict[str, Any]:
-    """Send the tenants' schedules open-loop, together; what came of every request, plus the
-    simulators' preemptions and ext_proc's CPU over the phase. With `idle_s`, ext_proc's CPU is
-    first read over that many idle seconds (its scraping and xDS work), to subtract per second."""
-    stack = ctx.stack
-    wait_idle(stack, ctx.args.settle)
+def phase(ctx: Ctx, name: str, plans: Sequence[Plan], idle_s: float = 0.0, events: Sequence[Event] = (),
+          sampler: Sampler | None = None) -> tuple[dict[str, Any], float, list[Sent]]:
+    """Send the tenants' schedules open-loop, together, through the replicas their routes name; what
+    came of every request, plus the simulators' preemptions and the ext_procs' CPU over the phase.
+    With `idle_s`, the ext_procs' CPU is first read over that many idle seconds (their scraping and
+    xDS work), to subtract per second. `events` run at their offsets, `sampler` reads while it runs.
+    Returns the result, the schedule's start (perf_counter) and every request sent."""
+    sims = ctx.reps.sims
+    wait_idle(sims, ctx.args.settle)
     idle_rate = None
     if idle_s > 0:
-        before = extproc_cpu(stack)
+        before = extproc_cpu(ctx.stacks)
         time.sleep(idle_s)
-        idle_rate = (extproc_cpu(stack) - before) / idle_s
-    pre, cpu, began = preemptions(stack), extproc_cpu(stack), time.monotonic()
-    sent = asyncio.run(_open_loop(stack.base_url, plans, ctx.args.timeout))
+        idle_rate = (extproc_cpu(ctx.stacks) - before) / idle_s
+    urls = [s.base_url for s in ctx.reps.stacks]
+    pre, began = preemptions(sims), time.monotonic()
+    cpu = {id(s): extproc_cpu([s]) for s in ctx.stacks}
+    with sampler or contextlib.nullcontext():
+        start, sent = asyncio.run(phases.open_loop(urls, ctx.live, plans, ctx.args.timeout, events))
     wall = time.monotonic() - began
-    pre, cpu = preemptions(stack) - pre, extproc_cpu(stack) - cpu
-    outcomes = [outcome(tenant, t) for tenant, timed in sent for t in timed]
-    late = [t.late_s for _, timed in sent for t in timed]
-    result = {
-        "name": name, "wall_s": wall, "preemptions": pre, "extproc_cpu_s": cpu, "extproc_idle_cpu_per_s": idle_rate,
-        "late_p99_s": nearest_rank(late, 99) if late else None, "load1": os.getloadavg()[0],
+    # The CPU of the replicas alive at the end (a killed one's /proc is gone).
+    pre, cpu_s = preemptions(sims) - pre, sum(extproc_cpu([s]) - cpu[id(s)] for s in ctx.stacks)
+    outcomes = [outcome(s.tenant, s.timed) for s in sent]
+    result: dict[str, Any] = {
+        "name": name, "wall_s": wall, "preemptions": pre, "extproc_cpu_s": cpu_s,
+        "extproc_idle_cpu_per_s": idle_rate,
+        "late_p99_s": nearest_rank([s.timed.late_s for s in sent], 99) if sent else None,
+        "load1": os.getloadavg()[0], "replicas": len(ctx.stacks),
         "all": plan.aggregate(outcomes), "tenants": plan.by_tenant(outcomes),
-        # Every request (tenant, planned offset s, TTFT s, E2E s, error), for reading a run's tail.
-        "requests": [(tenant, round(t.request.at, 4), t.ttft, t.e2e, t.record.error)
-                     for tenant, timed in sent for t in timed],
+        "classes": plan.by_class(outcomes),
+        "tenant_classes": {t: plan.by_class([o for o in outcomes if o.tenant == t])
+                           for t in sorted({o.tenant for o in outcomes})},
+        # Every request (tenant, planned offset s, TTFT s, E2E s, error, class, replica), for reading a tail.
+        "requests": [(s.tenant, round(s.timed.request.at, 4), s.timed.ttft, s.timed.e2e, s.timed.record.error,
+                      s.timed.request.kind, s.replica) for s in sent],
         "ttft_p95_ci": {t: plan.bootstrap_p95([o.ttft for o in outcomes if o.tenant == t and o.ttft is not None])
                         for t in {o.tenant for o in outcomes}},
     }
@@ -127,7 +142,7 @@ def phase(ctx: Ctx, name: str, plans: Sequence[tuple[Tenant, Sequence[Request]]]
     print(f"    {name}: {a['offered']} offered, {a['served_pct']:.0f}% served, {a['r429']} x 429, "
           f"other {a['other_errors']}, TTFT p95 {ms(a['ttft_p95'])} ms, preemptions {pre:.0f}, "
           f"wall {wall:.1f} s, load {result['load1']:.1f}", flush=True)
-    return result
+    return result, start, sent
 
 
 def ms(v: float | None) -> str:
@@ -166,8 +181,8 @@ async def _closed_loop(url: str, key: str, requests: Sequence[Request], concurre
 
 def measure_capacity(args: argparse.Namespace, stack: Stack, mix: Mix) -> Capacity:
     """Completions per second with every running slot of the pool kept busy: a closed loop at
-    concurrency = backends x max_num_seqs, the first `cap_warmup` seconds not counted."""
-    wait_idle(stack, args.settle)
+    concurrency = backends x max_num_seqs through one replica, the first `cap_warmup` seconds not counted."""
+    wait_idle(stack.sims, args.settle)
     concurrency = args.backends * args.max_num_seqs
     requests = plan.closed_loop_requests(args.seed, int(args.cap_duration * 80) + 200, mix)
     t0, records = asyncio.run(_closed_loop(stack.base_url, TENANT["main"].key, requests, concurrency,
@@ -184,43 +199,100 @@ def measure_capacity(args: argparse.Namespace, stack: Stack, mix: Mix) -> Capaci
 
 
 def scenario_overload(ctx: Ctx) -> dict[str, Any]:
-    """One tenant offers `--overload` x capacity of the mix, open loop."""
+    """One tenant offers `--overload` x capacity of the mix, open loop, round robin over the replicas."""
     rate = ctx.args.overload * ctx.capacity.rate
     reqs = plan.arrivals(ctx.args.seed, "ovl", rate, ctx.args.overload_s, ctx.mix)
-    return {"rate": rate, "run": phase(ctx, "overload", [(TENANT["main"], reqs)])}
+    return {"rate": rate, "run": phase(ctx, "overload", [(TENANT["main"], reqs, None)])[0]}
 
 
 def scenario_noisy(ctx: Ctx) -> dict[str, Any]:
-    """Equal weights, so each tenant's share is half the capacity: A (alice) offers 3x its share,
-    B (bob) half of his. B's schedule is the same alone and with A."""
+    """Equal weights, so each tenant's share is half the capacity: A (alice) offers 3x her share
+    through replica 0, B (bob) half of his through replica 1 (the same one with one replica).
+    B's schedule is the same alone and with A."""
     share = ctx.capacity.rate / 2
     a = plan.arrivals(ctx.args.seed, "nA", 3 * share, ctx.args.noisy_s, ctx.mix)
     b = plan.arrivals(ctx.args.seed, "nB", 0.5 * share, ctx.args.noisy_s, ctx.mix, first_index=len(a))
-    return {"share": share, "alone": phase(ctx, "noisy: B alone", [(TENANT["bob"], b)]),
-            "both": phase(ctx, "noisy: A and B", [(TENANT["alice"], a), (TENANT["bob"], b)])}
+    return {"share": share, "alone": phase(ctx, "noisy: B alone", [(TENANT["bob"], b, 1)])[0],
+            "both": phase(ctx, "noisy: A and B", [(TENANT["alice"], a, 0), (TENANT["bob"], b, 1)])[0]}
 
 
 def scenario_priority(ctx: Ctx) -> dict[str, Any]:
-    """An interactive tenant (ivy, short answers) at `--interactive` x capacity, alone and while a
-    batch tenant (bat) offers `--flood` x capacity of the mix."""
+    """An interactive tenant (ivy, short answers) at `--interactive` x capacity through replica 1, alone
+    and while a batch tenant (bat) offers `--flood` x capacity of the mix through replica 0."""
     i_rate, b_rate = ctx.args.interactive * ctx.capacity.rate, ctx.args.flood * ctx.capacity.rate
     i = plan.arrivals(ctx.args.seed, "pI", i_rate, ctx.args.priority_s, ctx.mix.only_short())
     b = plan.arrivals(ctx.args.seed, "pB", b_rate, ctx.args.priority_s, ctx.mix, first_index=len(i))
     return {"interactive_rate": i_rate, "batch_rate": b_rate,
-            "alone": phase(ctx, "priority: interactive alone", [(TENANT["ivy"], i)]),
-            "both": phase(ctx, "priority: interactive + batch", [(TENANT["ivy"], i), (TENANT["bat"], b)])}
+            "alone": phase(ctx, "priority: interactive alone", [(TENANT["ivy"], i, 1)])[0],
+            "both": phase(ctx, "priority: interactive + batch", [(TENANT["ivy"], i, 1), (TENANT["bat"], b, 0)])[0]}
 
 
 def scenario_below(ctx: Ctx) -> dict[str, Any]:
     """One tenant at `--below` x capacity: TTFT must not change, and ext_proc's CPU per request."""
     rate = ctx.args.below * ctx.capacity.rate
     reqs = plan.arrivals(ctx.args.seed, "low", rate, ctx.args.below_s, ctx.mix)
-    return {"rate": rate, "run": phase(ctx, "below capacity", [(TENANT["main"], reqs)], idle_s=ctx.args.idle_s)}
+    run = phase(ctx, "below capacity", [(TENANT["main"], reqs, None)], idle_s=ctx.args.idle_s)[0]
+    return {"rate": rate, "run": run}
+
+
+def scenario_kill(ctx: Ctx) -> dict[str, Any]:
+    """`--kill-load` x capacity round robin; a third of the way in, the last replica's whole stack
+    (xDS, ext_proc, Envoy) is SIGKILLed and its clients go to the survivors. The simulators'
+    preemptions are sampled every 0.25 s; at the end every survivor's in-flight count is read."""
+    rate, duration = ctx.args.kill_load * ctx.capacity.rate, ctx.args.kill_s
+    reqs = plan.arrivals(ctx.args.seed, "kil", rate, duration, ctx.mix)
+    victim = len(ctx.reps.stacks) - 1
+
+    def kill() -> None:
+        ctx.live[victim] = False  # from now on its arrivals go to the next live replica
+        ctx.reps.stacks[victim].kill()
+
+    event = Event(duration / 3, "kill", kill)
+    sampler = Sampler(lambda: preemptions(ctx.reps.sims), 0.25)
+    run, start, sent = phase(ctx, f"kill replica {victim}", [(TENANT["main"], reqs, None)], events=[event],
+                             sampler=sampler)
+    wait_idle(ctx.reps.sims, ctx.args.settle)
+    in_flight = [phases.gauge(s.extproc_metrics_port, "modeldock_in_flight") for s in ctx.stacks]
+    killed_at = event.done_at if event.done_at is not None else event.at
+    summary = phases.kill_summary(sent, victim, event.at, killed_at, sampler.since(start), ctx.args.kill_after_s)
+    print(f"    kill: {summary['failed_at_kill']}/{summary['sent_to_victim_before']} failed on the killed replica, "
+          f"{summary['failed_other']} elsewhere (+ {summary['r429_other']} x 429), "
+          f"preemptions {summary['preemptions_before']} in the "
+          f"{ctx.args.kill_after_s:g} s before / {summary['preemptions_after']} after, in flight at the end "
+          f"{in_flight}", flush=True)
+    return {"rate": rate, "run": run, **summary, "in_flight_end": in_flight}
+
+
+def scenario_redis_down(ctx: Ctx) -> dict[str, Any]:
+    """`--kill-load` x capacity round robin; Redis stopped (SIGKILL) a third of the way in and started
+    again (empty, same port) at two thirds. Every replica's `modeldock_sharing_peers` is read every
+    0.1 s: how long after Redis returns each sees a peer again (None: not exported)."""
+    assert ctx.redis is not None
+    redis = ctx.redis
+    rate, duration = ctx.args.kill_load * ctx.capacity.rate, ctx.args.redis_down_s
+    reqs = plan.arrivals(ctx.args.seed, "rds", rate, duration, ctx.mix)
+    down, up = Event(duration / 3, "redis stop", redis.stop), Event(2 * duration / 3, "redis start", redis.start)
+    ports = [s.extproc_metrics_port for s in ctx.stacks]
+    sampler = Sampler(lambda: [phases.gauge(p, phases.PEERS) for p in ports], 0.1)
+    run, start, sent = phase(ctx, "redis down", [(TENANT["main"], reqs, None)], events=[down, up], sampler=sampler)
+    back = up.done_at if up.done_at is not None else up.at
+    samples = [(t, v) for t, v in sampler.since(start) if v is not None]
+    exported = any(x is not None for _, v in samples for x in v)
+    recovery = [plan.back_above_zero([(t, v[i]) for t, v in samples], back) for i in range(len(ports))]
+    peers_down = [v for t, v in samples if down.at + 1.0 <= t < back]
+    print(f"    redis down: {phases.failed(sent)} failed (+ {phases.shed(sent)} x 429), peers back after "
+          f"{recovery if exported else 'n/a (not exported)'} s", flush=True)
+    return {"rate": rate, "run": run, "down_at_s": down.done_at, "up_at_s": back, "failed": phases.failed(sent),
+            "r429": phases.shed(sent),
+            "peers_exported": exported, "recovery_s": recovery if exported else None,
+            "peers_while_down": peers_down[-1] if peers_down else None}
 
 
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "overload": scenario_overload, "noisy": scenario_noisy, "priority": scenario_priority, "below": scenario_below,
+    "redis_down": scenario_redis_down, "kill": scenario_kill,  # kill last: its replica stays down
 }
+NEEDS_REPLICAS = {"kill": 2, "redis_down": 2}  # run only with this many replicas or more
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -232,24 +304,43 @@ def pool(args: argparse.Namespace) -> dict[str, Any]:
     return {} if args.learn_limit else {"max_num_seqs": args.max_num_seqs}
 
 
-def run_config(args: argparse.Namespace, cfg: GatewayConfig, mix: Mix, cap: Capacity | None,
-               run_dir: Path) -> tuple[Capacity, dict[str, Any]]:
-    print(f"config {cfg.name}", flush=True)
+def run_config(args: argparse.Namespace, cfg: GatewayConfig, mix: Mix, cap: Capacity | None, run_dir: Path,
+               replicas: int = 1, redis: RedisServer | None = None) -> tuple[Capacity, dict[str, Any]]:
+    print(f"config {cfg.name}, {replicas} replica(s){' with Redis' if redis else ''}", flush=True)
 
     def edit(data: dict[str, Any], sims: Any) -> None:
         data.clear()
         data.update(plan.gateway_config(cfg, plan.TENANTS, [s.address for s in sims], pool=pool(args)))
 
-    with running_stack(run_dir / cfg.name, backends=args.backends, sim_args=sim_args(args), edit_config=edit,
-                       log_level=args.log_level) as stack:
+    if redis is not None:
+        redis.start()  # empty: nothing of the previous run's replicas
+    with replica_stacks(run_dir / cfg.name, replicas=replicas, backends=args.backends, sim_args=sim_args(args),
+                        edit_config=edit, redis_url=redis.url if redis else None, log_level=args.log_level) as reps:
         # The last backend at a fraction of the others' speed: a heterogeneous pool.
-        slow = args.speed * args.slow_factor
-        http_json("POST", f"{stack.sims[-1].url}/sim/speed", {"speed": slow})
+        http_json("POST", f"{reps.sims[-1].url}/sim/speed", {"speed": args.speed * args.slow_factor})
         if cap is None:
-            cap = measure_capacity(args, stack, mix)
-        ctx = Ctx(args, stack, cap, mix)
-        results = {name: SCENARIOS[name](ctx) for name in args.scenarios}
+            cap = measure_capacity(args, reps.stacks[0], mix)
+        ctx = Ctx(args, reps, cap, mix, redis)
+        names = [n for n in args.scenarios if replicas >= NEEDS_REPLICAS.get(n, 1)
+                 and (n != "redis_down" or redis is not None)]
+        results = {name: SCENARIOS[name](ctx) for name in sorted(names, key=list(SCENARIOS).index)}
     return cap, results
+
+
+def replica_runs(spec: str, redis_at_one: bool) -> list[tuple[str, int, bool]]:
+    """(key, replicas, with Redis) of each run, one replica first (the capacity is measured there)."""
+    counts = sorted({int(n) for n in spec.split(",")})
+    if not counts or counts[0] < 1:
+        raise SystemExit("--replicas: counts >= 1, e.g. 1,2,3")
+    runs = []
+    for n in counts:
+        if n == 1:
+            runs.append(("1", 1, False))
+            if redis_at_one:
+                runs.append(("1+redis", 1, True))
+        else:
+            runs.append((str(n), n, True))
+    return runs
 
 
 def main() -> int:
@@ -282,7 +373,19 @@ def main() -> int:
     p.add_argument("--idle-s", type=float, default=5.0, help="scenario 4: idle seconds for ext_proc's base CPU")
     p.add_argument("--settle", type=float, default=1.0, help="idle seconds before each phase")
     p.add_argument("--timeout", type=float, default=90.0, help="per request, seconds")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="kill and redis_down run only with 2+ replicas (kill always last: its replica stays down)")
+    p.add_argument("--replicas", default="1",
+                   help="replica counts, e.g. 1,2,3: each count R runs every config on R whole stacks over one "
+                        "pool, the client round robin over their Envoys; R > 1 shares one Redis")
+    p.add_argument("--redis-at-one", action="store_true",
+                   help="also run one replica with limits.redis_url set (Redis's cost apart from the replicas')")
+    p.add_argument("--kill-load", type=float, default=1.0, help="kill and redis_down phases: offered / capacity")
+    p.add_argument("--kill-s", type=float, default=30.0, help="kill phase; the replica dies a third of the way in")
+    p.add_argument("--kill-after-s", type=float, default=5.0,
+                   help="kill phase: preemptions counted over this many seconds after the kill (and before it)")
+    p.add_argument("--redis-down-s", type=float, default=30.0,
+                   help="redis_down phase: Redis stopped at a third, started again at two thirds")
     p.add_argument("--configs", default=None, help="names to run, in order (default: every config)")
     p.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
                    help='add or adjust a config: keys description, routing, extra, tenant_fields, e.g. '
@@ -318,6 +421,7 @@ def main() -> int:
         args.no_write = True
         args.cap_duration, args.cap_warmup, args.settle, args.idle_s = 7.0, 2.5, 0.6, 2.0
         args.overload_s, args.noisy_s, args.priority_s, args.below_s = 8.0, 5.0, 5.0, 6.0
+        args.kill_s, args.redis_down_s, args.kill_after_s = 9.0, 9.0, 2.0
         # A config that generates the same YAML as an earlier one would only measure noise.
         seen: list[dict[str, Any]] = []
         kept = []
@@ -334,19 +438,32 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
+    runs = replica_runs(args.replicas, args.redis_at_one)
     cap = Capacity(args.capacity, 0, 0, 0.0, None) if args.capacity else None
     measured_on = None if cap else configs[0].name
-    results: dict[str, Any] = {}
-    for cfg in configs:
-        cap, results[cfg.name] = run_config(args, cfg, mix, cap, run_dir)
+    by_run: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as owned:
+        # One real Redis for every run that shares state; restarted empty before each config.
+        redis = owned.enter_context(RedisServer()) if any(r for _, _, r in runs) else None
+        for key, count, with_redis in runs:
+            results: dict[str, Any] = {}
+            where = run_dir if len(runs) == 1 else run_dir / f"replicas-{key}"
+            for cfg in configs:
+                cap, results[cfg.name] = run_config(args, cfg, mix, cap, where, count,
+                                                    redis if with_redis else None)
+            by_run[key] = {"replicas": count, "redis": with_redis, "results": results}
     assert cap is not None
+    first = runs[0][0]
+    results = by_run[first].pop("results")  # the first run's results where a one-run report reads them
     saved = {
         "command": reproduce(sys.argv[1:]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "configs": [{**asdict(c), "yaml": plan.gateway_config(c, plan.TENANTS[:1], ["127.0.0.1:8001"], pool=pool(args))}
                     for c in configs],
         "mix": asdict(mix), "capacity": asdict(cap), "capacity_measured_on": measured_on,
-        "results": results, "elapsed_s": time.monotonic() - started,
+        "capacity_measured_replicas": runs[0][1], "results": results, "elapsed_s": time.monotonic() - started,
+        # Every run: replicas, Redis or not, its results (the first run's are "results" above).
+        **({"runs": by_run, "first_run": first} if len(runs) > 1 else {}),
     }
     (run_dir / "results.json").write_text(json.dumps(saved, indent=1))
     text = body(saved)

@@ -19,7 +19,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 from collections.abc import Callable, Iterator, Mapping, Sequence  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
+from contextlib import ExitStack, contextmanager  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -165,6 +165,15 @@ class Stack:
     def stop(self) -> None:
         self.sup.stop_all(timeout=5)
 
+    def kill(self) -> None:
+        """SIGKILL every process of this stack (a crashed replica: no drain, no goodbye), and reap them.
+        Simulators shared with other stacks (`running_stack(sims=...)`) belong to their owner and live on."""
+        for child in self.sup.children:
+            if child.proc.poll() is None:
+                child.proc.kill()
+        for child in self.sup.children:
+            child.proc.wait(timeout=10)
+
 
 def default_config(sims: Sequence[Sim]) -> dict[str, Any]:
     return {
@@ -210,6 +219,7 @@ def running_stack(
     extproc_args: Sequence[str] = (),
     log_level: str = "debug",
     envoy_config: Callable[[Stack], str] | None = None,
+    sims: Sequence[Sim] | None = None,
 ) -> Iterator[Stack]:
     """`xds_args` are appended to the `modeldock xds` command line (e.g. `--kubeconfig PATH`).
 
@@ -218,11 +228,14 @@ def running_stack(
 
     `extproc_replicas` ext_proc processes run behind the one Envoy (replica 0 logs to extproc.log,
     replica i to extproc-i.log); `extproc_env` is added to their environment (e.g. REDIS_URL).
+
+    `sims`: run in front of these simulators (already started by the caller, who owns them) instead of
+    starting `backends` new ones; several stacks can then share one pool (`replica_stacks`).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(run_dir)
     try:
-        sims = start_sims(sup, backends, sim_args)
+        sims = list(sims) if sims is not None else start_sims(sup, backends, sim_args)
         data = config if config is not None else default_config(sims)
         if edit_config is not None:
             edit_config(data, sims)
@@ -259,6 +272,52 @@ def running_stack(
         yield stack
     finally:
         sup.stop_all(timeout=5)
+
+
+@dataclass
+class Replicas:
+    """Whole gateway stacks in front of one shared pool of simulators (`replica_stacks`)."""
+
+    sims: list[Sim]
+    stacks: list[Stack]
+    sims_sup: Supervisor
+
+
+@contextmanager
+def replica_stacks(
+    run_dir: Path,
+    *,
+    replicas: int,
+    backends: int = 2,
+    sim_args: Sequence[str] = ("--speed", "20"),
+    edit_config: Callable[[dict[str, Any], list[Sim]], object] | None = None,
+    redis_url: str | None = None,
+    log_level: str = "debug",
+) -> Iterator[Replicas]:
+    """`replicas` whole stacks (each its own xDS, ext_proc and Envoy on its own ports, as pods would be)
+    in front of ONE set of `backends` simulators. Stack i runs in run_dir/r<i> with MODELDOCK_REPLICA=r<i>;
+    with `redis_url`, every stack's config gets `limits.redis_url` (after `edit_config`). The simulators
+    start first and stop last, so a stack killed mid-run (`Stack.kill`) leaves the pool serving the rest."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sims_sup = Supervisor(run_dir)
+    try:
+        sims = start_sims(sims_sup, backends, sim_args)
+
+        def edit(data: dict[str, Any], given: list[Sim]) -> None:
+            if edit_config is not None:
+                edit_config(data, given)
+            if redis_url is not None:
+                data.setdefault("limits", {})["redis_url"] = redis_url
+
+        with ExitStack() as stacks:
+            started = [stacks.enter_context(running_stack(
+                run_dir / f"r{i}", sims=sims, edit_config=edit, log_level=log_level,
+                extproc_env={"MODELDOCK_REPLICA": f"r{i}"})) for i in range(replicas)]
+            yield Replicas(sims, started, sims_sup)
+    finally:
+        sims_sup.stop_all(timeout=5)
 
 
 def _envoy_up(admin_url: str) -> bool:

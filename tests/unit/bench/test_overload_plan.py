@@ -18,13 +18,17 @@ from benchmarks.overload.plan import (
     Outcome,
     aggregate,
     arrivals,
+    back_above_zero,
     bootstrap_p95,
+    by_class,
     by_tenant,
     capacity,
     clean_429,
     closed_loop_requests,
+    counter_between,
     gateway_config,
     parse_config_arg,
+    route,
     throughput,
 )
 from modeldock.config import hash_key, parse_config
@@ -203,3 +207,45 @@ def test_bootstrap_interval_holds_the_p95() -> None:
     lo, hi = interval
     assert lo <= 0.380 <= hi and hi - lo < 0.05
     assert bootstrap_p95([0.1]) is None
+
+
+def test_by_class_keeps_short_and_long_apart() -> None:
+    # 19 short answers at 10..190 ms and 5 long ones at 1..5 s: pooled, the p95 lands in the long class.
+    short = [Outcome("a", None, ttft=0.01 * i, e2e=0.1, kind="short") for i in range(1, 20)]
+    long = [Outcome("a", None, ttft=float(i), e2e=9.0, kind="long") for i in range(1, 6)]
+    unknown = [Outcome("a", "429", None, None, CLEAN)]  # no class (results saved before classes): left out
+    classes = by_class(short + long + unknown)
+    assert set(classes) == {"short", "long"}
+    assert classes["short"]["offered"] == 19 and classes["short"]["ttft_p95"] == pytest.approx(0.19)
+    assert classes["long"]["offered"] == 5 and classes["long"]["ttft_p95"] == pytest.approx(5.0)
+    assert aggregate(short + long)["ttft_p95"] == pytest.approx(4.0)  # pooled: 23rd of 24
+    assert by_class([]) == {}
+
+
+# -- replicas -----------------------------------------------------------------------------------
+
+
+def test_route_is_round_robin_and_skips_a_dead_replica() -> None:
+    assert [route(n, [True, True, True]) for n in range(6)] == [0, 1, 2, 0, 1, 2]
+    # Replica 1 down: its arrivals go to the next live one (2); replica 2 down: wrap to 0.
+    assert [route(n, [True, False, True]) for n in range(6)] == [0, 2, 2, 0, 2, 2]
+    assert [route(n, [True, True, False]) for n in range(3)] == [0, 1, 0]
+    assert route(1, [True]) == 0  # "through replica 1" with one replica: the only one
+    with pytest.raises(ValueError):
+        route(0, [False, False])
+
+
+def test_counter_between_reads_the_growth_over_a_window() -> None:
+    samples = [(-0.2, 3.0), (1.0, 5.0), (2.0, 9.0), (3.0, 10.0), (4.0, 20.0)]
+    assert counter_between(samples, 1.5, 3.5) == 5.0  # 10 at 3.0 minus 5 at 1.0
+    assert counter_between(samples, 0.0, 1.0) == 2.0
+    assert counter_between(samples, 4.0, 9.0) == 0.0
+    assert counter_between(samples, -1.0, 2.0) is None  # nothing read before the window
+
+
+def test_back_above_zero_times_the_first_positive_sample_after() -> None:
+    samples = [(0.0, 2.0), (1.0, 0.0), (1.5, None), (2.0, 0.0), (2.7, 1.0), (3.0, 2.0)]
+    assert back_above_zero(samples, 1.0) == pytest.approx(1.7)
+    assert back_above_zero(samples, 2.8) == pytest.approx(0.2)
+    assert back_above_zero(samples, 3.5) is None
+    assert back_above_zero([(0.5, None), (1.0, None)], 0.0) is None  # not exported
