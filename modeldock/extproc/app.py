@@ -267,6 +267,8 @@ def _sharing(config: Config, picker: Picker, standing: Standing, clock: Clock,
         raise ConfigError("sharing.enabled: true needs a Redis: set limits.redis_url (or $REDIS_URL)")
     client = make_redis_client(url, config.sharing.timeout_ms / 1000.0)
     sharing = Sharing(picker, RedisShareStore(client), clock, config.sharing, registry, standing=standing)
+    picker.add_claim_listener(sharing.nudge)  # peers hear of a pick or a release within a round trip or so
+    picker.add_release_listener(lambda _endpoint: sharing.nudge())
     log.info("sharing load state with the other replicas through Redis as %s (every %d ms, forgotten after %d ms)",
              sharing.replica, config.sharing.interval_ms, config.sharing.ttl_ms)
     return sharing

@@ -218,6 +218,10 @@ class Picker:
     def peers(self, endpoint: Endpoint) -> PeerLoad | None:
         return self._ledger.peers(endpoint)
 
+    def add_claim_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` after every claim (pick or move), synchronously: the sharing loop's nudge."""
+        self._ledger.add_claim_listener(listener)
+
     def add_room_listener(self, listener: Callable[[str], None]) -> None:
         """`listener(model)` hears, synchronously, that room may have appeared for `model`: a
         lease of it was released or moved, or a fresh sample arrived for one of its endpoints."""

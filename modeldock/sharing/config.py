@@ -19,6 +19,9 @@ class SharingConfig(BaseModel):
     enabled: bool | None = None
     # How often each replica publishes its holdings and reads its peers' (one Redis round trip).
     interval_ms: Annotated[int, Field(ge=20, le=2000)] = 100
+    # A pick or a release here brings the next exchange forward (its peers hear of it within a round
+    # trip or so, not an interval), but never closer than this to the last one.
+    min_gap_ms: Annotated[int, Field(ge=1, le=1000)] = 20
     # A replica not heard from for this long is forgotten; with Redis unreachable this long, each
     # replica falls back to its own view.
     ttl_ms: Annotated[int, Field(ge=200, le=30_000)] = 2000
@@ -32,6 +35,8 @@ class SharingConfig(BaseModel):
         if self.ttl_ms < 2 * self.interval_ms:
             raise ValueError("ttl_ms must be at least twice interval_ms (a replica would be forgotten "
                              "between two of its own exchanges)")
+        if self.min_gap_ms > self.interval_ms:
+            raise ValueError("min_gap_ms must be at most interval_ms")
         if self.timeout_ms > self.interval_ms * 2:
             raise ValueError("timeout_ms must be at most twice interval_ms")
         return self

@@ -13,6 +13,7 @@ exchange brings the shared view back, logged, within one interval of Redis answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -82,6 +83,8 @@ class Sharing:
         self._clock = clock
         self.replica = replica or config.replica_name()
         self.interval = config.interval_ms / 1000.0
+        self.min_gap = config.min_gap_ms / 1000.0
+        self._wake = asyncio.Event()
         self.timeout = config.timeout_ms / 1000.0
         self.ttl_ms = config.ttl_ms
         self.ttl = config.ttl_ms / 1000.0
@@ -99,12 +102,24 @@ class Sharing:
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="sharing")
 
+    def nudge(self) -> None:
+        """Something changed here (a pick, a release): exchange sooner than the interval, at most one
+        `min_gap_ms` after the last. Synchronous and cheap: called on every claim and release."""
+        self._wake.set()
+
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            started = self._clock.monotonic()
+            started = loop.time()
+            self._wake.clear()
             await self.exchange()
             self.first.set()
-            await asyncio.sleep(max(0.0, self.interval - (self._clock.monotonic() - started)))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, self.interval - (loop.time() - started))):
+                    await self._wake.wait()
+            gap = self.min_gap - (loop.time() - started)
+            if gap > 0:
+                await asyncio.sleep(gap)
 
     async def exchange(self) -> bool:
         """One exchange; True when it reached Redis."""

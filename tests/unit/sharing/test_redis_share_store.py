@@ -83,3 +83,26 @@ async def test_a_stopped_redis_gives_the_local_view_and_its_return_the_shared_on
     finally:
         for s in sharings:
             await s.stop()
+
+
+async def test_a_pick_brings_the_next_exchange_forward_but_never_closer_than_the_gap() -> None:
+    from modeldock.clock import FakeClock
+    from tests.support.share_store import ShareHub
+
+    hub = ShareHub(FakeClock())
+    picker = Picker(SystemClock(), fallbacks=0, rng=random.Random(1))
+    picker.set_endpoints("m", [EP])
+    sharing = Sharing(picker, hub.store(), SystemClock(), SharingConfig(interval_ms=2000, ttl_ms=4000, min_gap_ms=50),
+                      CollectorRegistry(), replica="a")
+    picker.add_claim_listener(sharing.nudge)
+    sharing.start()
+    try:
+        await asyncio.wait_for(sharing.first.wait(), 2)
+        assert hub.exchanges == 1
+        for _ in range(5):  # a burst of picks: one exchange soon after, not one each
+            picker.pick("m", cost=10)
+        await asyncio.sleep(0.3)  # far less than the 2 s interval
+        assert hub.exchanges == 2
+        assert len(list(hub.shares)) == 1
+    finally:
+        await sharing.stop()
