@@ -22,7 +22,7 @@ from modeldock.extproc.server import ExtProcServicer
 from modeldock.extproc.wire import add_servicer
 from modeldock.filewatch import FileWatch
 from modeldock.flowcontrol import QueueMetrics
-from modeldock.flowcontrol.standing import Standing
+from modeldock.flowcontrol.dispatcher import Dispatcher
 from modeldock.gateway import Gateway
 from modeldock.gateway.lifecycle import Lifecycle, Outcome
 from modeldock.gateway.settlement import UsageReport
@@ -152,7 +152,7 @@ class ExtProcServer:
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self.metrics.pending_settlements.set_function(lambda: self.lifecycle.pending())
-        self.sharing = _sharing(config, self.picker, self.gateway.flow.standing, self.clock, self.registry)
+        self.sharing = _sharing(config, self.picker, self.gateway.flow, self.clock, self.registry)
         if self.sharing is None:
             SharingMetrics(self.registry)  # exported all the same: `modeldock_sharing_shared 0` says it is off
         self._server: grpc.aio.Server | None = None
@@ -256,7 +256,7 @@ class ExtProcServer:
         self.usage.close()  # after draining: every settled request's record is written
 
 
-def _sharing(config: Config, picker: Picker, standing: Standing, clock: Clock,
+def _sharing(config: Config, picker: Picker, flow: Dispatcher, clock: Clock,
              registry: CollectorRegistry) -> Sharing | None:
     """The shared load state (modeldock/sharing): on by default when a Redis is configured."""
     url = config.limits.redis_url
@@ -266,7 +266,8 @@ def _sharing(config: Config, picker: Picker, standing: Standing, clock: Clock,
     if url is None:
         raise ConfigError("sharing.enabled: true needs a Redis: set limits.redis_url (or $REDIS_URL)")
     client = make_redis_client(url, config.sharing.timeout_ms / 1000.0)
-    sharing = Sharing(picker, RedisShareStore(client), clock, config.sharing, registry, standing=standing)
+    sharing = Sharing(picker, RedisShareStore(client), clock, config.sharing, registry, standing=flow.standing,
+                      queues=flow)
     picker.add_claim_listener(sharing.nudge)  # peers hear of a pick or a release within a round trip or so
     picker.add_release_listener(lambda _endpoint: sharing.nudge())
     log.info("sharing load state with the other replicas through Redis as %s (every %d ms, forgotten after %d ms)",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from modeldock.clock import Clock
@@ -28,6 +28,7 @@ from modeldock.errors import Rejection
 from modeldock.flowcontrol.config import QueueConfig
 from modeldock.flowcontrol.item import Item
 from modeldock.flowcontrol.metrics import QueueMetrics
+from modeldock.flowcontrol.queue_share import QueuedFlow
 from modeldock.flowcontrol.queues import FlowQueues
 from modeldock.flowcontrol.standing import Standing
 from modeldock.flowcontrol.waiting import Waiting
@@ -67,6 +68,21 @@ class Dispatcher:
         self.standing = Standing(clock, config.headroom_window_seconds, config.share_window_seconds)
         self._dispatching = False
         self._again: set[str] = set()
+
+    def flows(self) -> tuple[QueuedFlow, ...]:
+        """Every model's queued flows here, for the peers (modeldock/sharing)."""
+        return tuple(flow for queue in self.queues for flow in queue.flows())
+
+    def apply_peer_flows(self, flows: Iterable[QueuedFlow]) -> None:
+        """The peers' queued flows (all of them, after an exchange; none: the local view): each
+        model's queue counts them in its drain budget."""
+        by_model: dict[str, list[QueuedFlow]] = {}
+        for flow in flows:
+            by_model.setdefault(flow.model, []).append(flow)
+        for queue in self.queues:
+            queue.peer_flows = tuple(by_model.pop(queue.model, ()))
+        for model, peer in by_model.items():  # a model queued only elsewhere: its queue here knows it
+            self.queues.get(model).peer_flows = tuple(peer)
 
     async def acquire(self, request: Waiting) -> Pick:
         """An endpoint for `request`, picked and counted: at once when there is room and nobody waits

@@ -25,6 +25,7 @@ from modeldock.flowcontrol.bands import Band
 from modeldock.flowcontrol.config import QueueConfig
 from modeldock.flowcontrol.item import Item, State
 from modeldock.flowcontrol.metrics import QueueMetrics
+from modeldock.flowcontrol.queue_share import QueuedFlow, peer_ahead
 from modeldock.flowcontrol.waiting import Waiting
 
 T = TypeVar("T")
@@ -86,6 +87,8 @@ class FlowQueue(Generic[T]):
         self._length = 0
         self._seq = 0
         self.counts = Counts()
+        # The other replicas' queued flows of this model (set after each exchange; see queue_share.py).
+        self.peer_flows: tuple[QueuedFlow, ...] = ()
 
     def __len__(self) -> int:
         return self._length
@@ -130,7 +133,12 @@ class FlowQueue(Generic[T]):
         if (max_wait is not None and self._drain_rate is not None and self._length
                 and self.oldest_wait() >= max_wait * self._shed_after):
             speed = self._drain_rate()
-            if speed > 0 and self.ahead(tenant, priority, weight, protected) > speed * max_wait:
+            ahead = self.ahead(tenant, priority, weight, protected)
+            if self.peer_flows:  # the pool drains the peers' queues too (queue_share.py)
+                band = self._by_priority.get(priority)
+                own = band.queued.get(tenant, 0) if band is not None else 0
+                ahead += peer_ahead(self.peer_flows, tenant, priority, weight, float(own))
+            if speed > 0 and ahead > speed * max_wait:
                 raise self._refuse(tenant, klass, f"the requests queued ahead for model {self.model!r} would not "
                                                   f"drain within {max_wait:g}s")
         if self._length >= self.config.max_length:
@@ -191,6 +199,16 @@ class FlowQueue(Generic[T]):
             elif band.priority == priority:
                 total += band.queued.get(tenant, 0) if protected else band.ahead(tenant, weight)
         return total
+
+    def flows(self) -> list[QueuedFlow]:
+        """What waits here, per class and tenant, for the peers."""
+        out = []
+        for band in self._bands:
+            for tenant, items in band.flows.items():
+                if items:
+                    out.append(QueuedFlow(self.model, band.priority, tenant, items[0].weight,
+                                          band.queued.get(tenant, 0)))
+        return out
 
     def _band(self, priority: int) -> Band[T]:
         band = self._by_priority.get(priority)

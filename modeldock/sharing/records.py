@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from modeldock.flowcontrol.queue_share import QueuedFlow
 from modeldock.flowcontrol.standing_share import ModelStanding
 from modeldock.picking.peers import Holding
 
@@ -18,6 +19,7 @@ class ReplicaShare(msgspec.Struct, frozen=True):
 
     holdings: tuple[Holding, ...] = ()
     standing: tuple[ModelStanding, ...] = ()  # its tenants' and classes' standing (flowcontrol/standing.py)
+    queued: tuple[QueuedFlow, ...] = ()  # what waits in its queues (flowcontrol/queue_share.py)
 
 
 _encoder = msgspec.msgpack.Encoder()

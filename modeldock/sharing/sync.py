@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
 from modeldock.clock import Clock
+from modeldock.flowcontrol.queue_share import QueuedFlow
 from modeldock.flowcontrol.standing_share import ModelStanding
 from modeldock.picking.peers import Holding, PeerLoad
 from modeldock.redis_client import LogThrottle, RedisUnavailable
@@ -47,6 +48,14 @@ class StandingBoard(Protocol):
     def share(self) -> tuple[ModelStanding, ...]: ...
 
     def apply_peers(self, peers: Sequence[Sequence[ModelStanding]]) -> None: ...
+
+
+class QueueBoard(Protocol):
+    """What the fair queue gives and takes (`Dispatcher.flows`, `Dispatcher.apply_peer_flows`)."""
+
+    def flows(self) -> tuple[QueuedFlow, ...]: ...
+
+    def apply_peer_flows(self, flows: Iterable[QueuedFlow]) -> None: ...
 
 
 class SharingMetrics:
@@ -76,9 +85,10 @@ class SharingMetrics:
 class Sharing:
     def __init__(self, board: LoadBoard, store: ShareStore, clock: Clock, config: SharingConfig,
                  registry: CollectorRegistry | None = None, replica: str | None = None,
-                 standing: StandingBoard | None = None) -> None:
+                 standing: StandingBoard | None = None, queues: QueueBoard | None = None) -> None:
         self._board = board
         self._standing = standing
+        self._queues = queues
         self._store = store
         self._clock = clock
         self.replica = replica or config.replica_name()
@@ -124,7 +134,8 @@ class Sharing:
     async def exchange(self) -> bool:
         """One exchange; True when it reached Redis."""
         standing = self._standing.share() if self._standing is not None else ()
-        share = encode(ReplicaShare(holdings=tuple(self._board.holdings()), standing=standing))
+        flows = self._queues.flows() if self._queues is not None else ()
+        share = encode(ReplicaShare(holdings=tuple(self._board.holdings()), standing=standing, queued=flows))
         started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.timeout):
@@ -138,6 +149,7 @@ class Sharing:
         half_trip = (now - started) / 2  # the ages are Redis's at the script: about half the round trip ago
         shares: list[tuple[float, Sequence[Holding]]] = []
         standings: list[Sequence[ModelStanding]] = []
+        queued: list[QueuedFlow] = []
         for _peer, age, payload in received:
             try:
                 peer = decode(payload)
@@ -146,7 +158,8 @@ class Sharing:
                 continue
             shares.append((age + half_trip, peer.holdings))
             standings.append(peer.standing)
-        self._apply(PeerLoad.merge(shares, now), len(shares), standings)
+            queued.extend(peer.queued)
+        self._apply(PeerLoad.merge(shares, now), len(shares), standings, queued)
         if not self.shared:
             self.shared = True
             self.metrics.shared.set(1)
@@ -158,10 +171,12 @@ class Sharing:
         return True
 
     def _apply(self, peers: Mapping[str, PeerLoad], count: int,
-               standings: Sequence[Sequence[ModelStanding]] = ()) -> None:
+               standings: Sequence[Sequence[ModelStanding]] = (), queued: Sequence[QueuedFlow] = ()) -> None:
         self._board.set_peers(peers)
         if self._standing is not None:
             self._standing.apply_peers(standings)
+        if self._queues is not None:
+            self._queues.apply_peer_flows(queued)
         self.metrics.peers.set(count)
         self.metrics.peer_in_flight.set(sum(p.in_flight for p in peers.values()))
         self.metrics.peer_committed.set(sum(p.committed for p in peers.values()))

@@ -220,3 +220,27 @@ async def test_standing_travels_with_the_holdings_and_leaves_with_the_fallback(c
     clock.advance(2.1)
     await sharings["a"].exchange()
     assert not sharings["a"].shared and standings["a"].active_weight("m") == 1.0  # the local view again
+
+
+async def test_queued_flows_travel_to_the_peers_drain_budget(clock: FakeClock) -> None:
+    from modeldock.errors import RateLimited
+    from modeldock.flowcontrol import QueueConfig, Waiting
+    from modeldock.flowcontrol.dispatcher import Dispatcher
+
+    hub = ShareHub(clock)
+    flows, sharings = {}, {}
+    for name in ("a", "b"):
+        picker = Picker(clock, fallbacks=0, rng=random.Random(1))
+        picker.set_endpoints("m", [EP])
+        flows[name] = Dispatcher(QueueConfig(), clock, pick=picker.pick, speed=picker.speed)
+        sharings[name] = Sharing(picker, hub.store(), clock, CONFIG, CollectorRegistry(), replica=name,
+                                 queues=flows[name])
+    flows["a"].queues.get("m").enqueue(Waiting(model="m", tenant="t", cost=300, klass="", weight=1.0))
+    await sharings["a"].exchange()
+    await sharings["b"].exchange()
+    assert [(f.tenant, f.tokens) for f in flows["b"].queues.get("m").peer_flows] == [("t", 300)]
+    hub.down = True
+    clock.advance(2.1)
+    await sharings["b"].exchange()
+    assert flows["b"].queues.get("m").peer_flows == ()  # the local view again
+    flows["a"].queues.get("m").reject_all(RateLimited("test over", code="queue_full"))
