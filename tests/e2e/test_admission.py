@@ -752,6 +752,7 @@ def test_no_key_in_any_log(env: Env) -> None:
     finally:
         client.close()
     assert names, "the shared windows live in Redis"
+    assert "modeldock:{load}:replicas" in names  # the replicas' shared load state (modeldock/sharing)
     for name in names:
-        assert name.startswith("modeldock:rl:{")
+        assert name.startswith("modeldock:rl:{") or name == "modeldock:{load}:replicas"
         assert not any(key in name for key in ALL_KEYS)
