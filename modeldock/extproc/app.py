@@ -265,8 +265,11 @@ def _sharing(config: Config, picker: Picker, flow: Dispatcher, clock: Clock,
         return None
     if url is None:
         raise ConfigError("sharing.enabled: true needs a Redis: set limits.redis_url (or $REDIS_URL)")
-    client = make_redis_client(url, config.sharing.timeout_ms / 1000.0)
-    sharing = Sharing(picker, RedisShareStore(client), clock, config.sharing, registry, standing=flow.standing,
+    timeout = config.sharing.timeout_ms / 1000.0
+    # No socket timeout on either (every exchange is bounded by asyncio.timeout in Sharing, and a
+    # subscription idles): redis-py would wrap every send in a task of its own.
+    store = RedisShareStore(make_redis_client(url, timeout, batch=True), make_redis_client(url, timeout, batch=True))
+    sharing = Sharing(picker, store, clock, config.sharing, registry, standing=flow.standing,
                       queues=flow)
     picker.add_claim_listener(sharing.nudge)  # peers hear of a pick or a release within a round trip or so
     picker.add_release_listener(lambda _endpoint: sharing.nudge())

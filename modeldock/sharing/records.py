@@ -20,6 +20,14 @@ class ReplicaShare(msgspec.Struct, frozen=True):
     holdings: tuple[Holding, ...] = ()
     standing: tuple[ModelStanding, ...] = ()  # its tenants' and classes' standing (flowcontrol/standing.py)
     queued: tuple[QueuedFlow, ...] = ()  # what waits in its queues (flowcontrol/queue_share.py)
+    # Which share is newer: the exchange's reply and a push travel on two connections, so a peer's
+    # share may arrive twice, out of order. `epoch` is random per process (a restart under the same
+    # name starts over), `seq` counts up. 0: a replica that does not number its shares (always taken).
+    epoch: int = 0
+    seq: int = 0
+
+    def newer_than(self, other: ReplicaShare) -> bool:
+        return self.seq == 0 or self.epoch != other.epoch or self.seq > other.seq
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -4,6 +4,10 @@ Each exchange builds the share synchronously (no await while the ledger is read)
 bounded Redis round trip holding nothing, then applies the peers' shares synchronously. Nothing on a
 request's path waits for Redis: a pick reads whatever the last exchange applied.
 
+Between exchanges, every peer's share arrives as it is written (the script publishes it; `listen`
+takes it in synchronously): a peer's pick is in this replica's view about one Redis hop after that
+peer's exchange. The exchanges still read every share: they forget the dead and fill any lost push.
+
 Failure: an exchange that errs or takes longer than `timeout_ms` keeps the last peers' view while
 it is younger than `ttl_ms` (a blip changes nothing), then drops to the local view (every replica on
 its own, as without sharing) with one warning and `modeldock_sharing_shared 0`. The next good
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -78,8 +83,21 @@ class SharingMetrics:
         self.peer_committed = Gauge("modeldock_sharing_peer_committed_tokens", "The peers' committed tokens "
                                     "in flight, beside this replica's (modeldock_picker_committed_tokens)",
                                     registry=registry)
+        self.pushes = Counter("modeldock_sharing_pushes", "Peer shares taken in as they were written "
+                              "(between this replica's own exchanges)", registry=registry)
         self.age = Gauge("modeldock_sharing_view_age_seconds", "Seconds since the last good exchange "
                          "(how stale the peers' holdings may be)", registry=registry)
+
+
+class _Peer:
+    """A peer's latest share, when this replica got it and how old it was then."""
+
+    __slots__ = ("age", "got_at", "share")
+
+    def __init__(self, share: ReplicaShare, got_at: float, age: float) -> None:
+        self.share = share
+        self.got_at = got_at
+        self.age = age
 
 
 class Sharing:
@@ -104,6 +122,10 @@ class Sharing:
         self.first = asyncio.Event()  # set after the first exchange, good or not
         self._throttle = LogThrottle(clock, 30.0)
         self._task: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._epoch = int.from_bytes(os.urandom(6), "big")  # this process's shares, numbered by _seq
+        self._seq = 0
         self.metrics.age.set_function(self._age)
 
     def _age(self) -> float:
@@ -111,6 +133,7 @@ class Sharing:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="sharing")
+        self._listener = asyncio.create_task(self.listen(), name="sharing-pushes")
 
     def nudge(self) -> None:
         """Something changed here (a pick, a release): exchange sooner than the interval, at most one
@@ -133,9 +156,11 @@ class Sharing:
 
     async def exchange(self) -> bool:
         """One exchange; True when it reached Redis."""
+        self._seq += 1
         standing = self._standing.share() if self._standing is not None else ()
         flows = self._queues.flows() if self._queues is not None else ()
-        share = encode(ReplicaShare(holdings=tuple(self._board.holdings()), standing=standing, queued=flows))
+        share = encode(ReplicaShare(holdings=tuple(self._board.holdings()), standing=standing, queued=flows,
+                                    epoch=self._epoch, seq=self._seq))
         started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.timeout):
@@ -147,28 +172,70 @@ class Sharing:
         self.metrics.seconds.observe(now - started)
         self.metrics.exchanges.labels("ok").inc()
         half_trip = (now - started) / 2  # the ages are Redis's at the script: about half the round trip ago
-        shares: list[tuple[float, Sequence[Holding]]] = []
-        standings: list[Sequence[ModelStanding]] = []
-        queued: list[QueuedFlow] = []
-        for _peer, age, payload in received:
-            try:
-                peer = decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.metrics.bad_shares.inc()
-                continue
-            shares.append((age + half_trip, peer.holdings))
-            standings.append(peer.standing)
-            queued.extend(peer.queued)
-        self._apply(PeerLoad.merge(shares, now), len(shares), standings, queued)
+        live = set()
+        for name, age, payload in received:
+            if (peer := self._decode(payload)) is not None:
+                live.add(name)
+                self._take(name, peer, now, age + half_trip)
+        for name in [n for n, p in self._peers.items() if n not in live and p.got_at < started]:
+            del self._peers[name]  # gone from Redis (died, left, cut off) and not pushed since we asked
+        self._rebuild(now)
         if not self.shared:
             self.shared = True
             self.metrics.shared.set(1)
             if self.last_ok is not None:
-                log.warning("sharing: Redis answers again; picking counts the %d peer replicas' holdings", len(shares))
+                log.warning("sharing: Redis answers again; picking counts the %d peer replicas' holdings",
+                            len(self._peers))
             else:
-                log.info("sharing: replica %s sees %d peer replicas", self.replica, len(shares))
+                log.info("sharing: replica %s sees %d peer replicas", self.replica, len(self._peers))
         self.last_ok = now
         return True
+
+    def pushed(self, name: str, payload: bytes) -> None:
+        """A peer's share as it was written (or, empty, that it left): into the view at once."""
+        if name == self.replica:
+            return
+        now = self._clock.monotonic()
+        if not payload:
+            if self._peers.pop(name, None) is not None and self.shared:
+                self._rebuild(now)
+            return
+        peer = self._decode(payload)
+        if peer is not None and self._take(name, peer, now, 0.0) and self.shared:
+            self.metrics.pushes.inc()
+            self._rebuild(now)
+
+    async def listen(self) -> None:
+        """Take in the peers' pushes; resubscribe after a dropped connection (the exchanges carry on
+        meanwhile: a lost push is only a later view, at most one interval)."""
+        while True:
+            try:
+                async for name, payload in self._store.pushes():
+                    self.pushed(name, payload)
+            except (RedisError, RedisUnavailable, OSError) as exc:
+                if self._throttle.ready():
+                    log.warning("sharing: push subscription lost (%s); resubscribing", type(exc).__name__)
+            await asyncio.sleep(self.interval)
+
+    def _decode(self, payload: bytes) -> ReplicaShare | None:
+        try:
+            return decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.metrics.bad_shares.inc()
+            return None
+
+    def _take(self, name: str, share: ReplicaShare, now: float, age: float) -> bool:
+        held = self._peers.get(name)
+        if held is not None and not share.newer_than(held.share):
+            return False  # the push of this share or a newer one came first
+        self._peers[name] = _Peer(share, now, age)
+        return True
+
+    def _rebuild(self, now: float) -> None:
+        peers = self._peers.values()
+        loads = PeerLoad.merge(((p.age + now - p.got_at, p.share.holdings) for p in peers), now)
+        self._apply(loads, len(self._peers), [p.share.standing for p in peers],
+                    [flow for p in peers for flow in p.share.queued])
 
     def _apply(self, peers: Mapping[str, PeerLoad], count: int,
                standings: Sequence[Sequence[ModelStanding]] = (), queued: Sequence[QueuedFlow] = ()) -> None:
@@ -188,6 +255,7 @@ class Sharing:
         if self.shared and (self.last_ok is None or now - self.last_ok >= self.ttl):
             self.shared = False
             self.metrics.shared.set(0)
+            self._peers.clear()
             self._apply({}, 0)
             log.warning("sharing: no exchange with Redis for %.1fs (%s); each replica picks on its own view "
                         "until Redis answers", self.ttl, outcome)
@@ -197,9 +265,10 @@ class Sharing:
 
     async def stop(self) -> None:
         """Stop exchanging and take this replica's share out, so its peers forget it at once."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._listener) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         try:
             async with asyncio.timeout(self.timeout * 5):
                 await self._store.leave(self.replica)

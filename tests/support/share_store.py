@@ -1,8 +1,14 @@
 """A memory `ShareStore` (modeldock/sharing/store.py) on an injected clock: the Redis script's rules,
 for unit and property tests. Every replica's store is a view of one `ShareHub`; the hub can be down
-(every exchange fails) and a replica can be partitioned from it (only its exchanges fail)."""
+(every exchange fails) and a replica can be partitioned from it (only its exchanges fail).
+
+Pushes: every exchange's share (and a leave) is queued for every other store iterating `pushes()`,
+unless the hub is down or the writer or the reader is partitioned then (a lost push, as on Redis)."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -16,6 +22,14 @@ class ShareHub:
         self.down = False
         self.partitioned: set[str] = set()
         self.exchanges = 0
+        self.listeners: dict[MemoryShareStore, asyncio.Queue[tuple[str, bytes]]] = {}
+
+    def publish(self, writer: str, share: bytes) -> None:
+        if self.down or writer in self.partitioned:
+            return
+        for store, queue in self.listeners.items():
+            if store.replica not in self.partitioned:
+                queue.put_nowait((writer, share))
 
     def store(self) -> MemoryShareStore:
         return MemoryShareStore(self)
@@ -24,6 +38,7 @@ class ShareHub:
 class MemoryShareStore:
     def __init__(self, hub: ShareHub) -> None:
         self.hub = hub
+        self.replica: str | None = None  # known from its first exchange
 
     def _check(self, replica: str) -> None:
         if self.hub.down or replica in self.hub.partitioned:
@@ -31,10 +46,12 @@ class MemoryShareStore:
 
     async def exchange(self, replica: str, share: bytes, ttl_ms: int) -> list[tuple[str, float, bytes]]:
         self._check(replica)
+        self.replica = replica
         hub = self.hub
         hub.exchanges += 1
         now = hub.clock.monotonic()
         hub.shares[replica] = (now, share)
+        hub.publish(replica, share)
         out = []
         for peer, (at, payload) in list(hub.shares.items()):
             if peer == replica:
@@ -48,6 +65,18 @@ class MemoryShareStore:
     async def leave(self, replica: str) -> None:
         self._check(replica)
         self.hub.shares.pop(replica, None)
+        self.hub.publish(replica, b"")
+
+    async def pushes(self) -> AsyncIterator[tuple[str, bytes]]:
+        if self.hub.down:
+            raise RedisConnectionError("hub unreachable")
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self.hub.listeners[self] = queue
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            del self.hub.listeners[self]
 
     async def close(self) -> None:
         pass

@@ -106,3 +106,35 @@ async def test_a_pick_brings_the_next_exchange_forward_but_never_closer_than_the
         assert len(list(hub.shares)) == 1
     finally:
         await sharing.stop()
+
+
+async def test_every_exchange_is_pushed_to_the_subscribed_peers_and_a_leave_too(redis_server: RedisServer) -> None:
+    a = RedisShareStore(make_redis_client(redis_server.url, 1.0, batch=True))
+    b = RedisShareStore(make_redis_client(redis_server.url, 1.0, batch=True),
+                        make_redis_client(redis_server.url, 1.0, batch=True))
+    got: list[tuple[str, bytes]] = []
+    subscribed = asyncio.Event()
+
+    async def listen() -> None:
+        pushes = b.pushes()
+        first = asyncio.ensure_future(anext(pushes))
+        await asyncio.sleep(0.2)  # subscribed by then (nothing is published before)
+        subscribed.set()
+        got.append(await first)
+        async for push in pushes:
+            got.append(push)
+
+    task = asyncio.create_task(listen())
+    try:
+        async with asyncio.timeout(5):
+            await subscribed.wait()
+            await a.exchange("a", b"\x00one|two", 1000)  # binary, with the separator inside the share
+            await a.leave("a")
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+        assert got == [("a", b"\x00one|two"), ("a", b"")]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await a.close()
+        await b.close()

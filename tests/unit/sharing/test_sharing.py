@@ -3,6 +3,7 @@ picking, and what happens when a peer dies, is cut off, or Redis is down. Inject
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -244,3 +245,70 @@ async def test_queued_flows_travel_to_the_peers_drain_budget(clock: FakeClock) -
     await sharings["b"].exchange()
     assert flows["b"].queues.get("m").peer_flows == ()  # the local view again
     flows["a"].queues.get("m").reject_all(RateLimited("test over", code="queue_full"))
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_peers_pick_and_release_are_pushed_into_the_view_before_this_replicas_next_exchange(
+        hub: ShareHub) -> None:
+    a, b = Replica("a", hub), Replica("b", hub)
+    assert await b.sharing.exchange()
+    listening = asyncio.create_task(b.sharing.listen())
+    try:
+        await _settle()
+        lease = a.picker.pick("m", cost=500).lease
+        await a.sharing.exchange()
+        await _settle()
+        assert b.picker.signals(EP).committed == 500  # no exchange of b's own since the pick
+        assert b.metric("modeldock_sharing_pushes_total") == 1
+        b.rooms.clear()
+        lease.release()
+        await a.sharing.exchange()
+        await _settle()
+        assert b.picker.signals(EP).in_flight == 0 and b.rooms == ["m"]  # the room is heard at once
+        a.picker.pick("m", cost=70)
+        await a.sharing.exchange()
+        await a.sharing.stop()  # a clean stop is pushed too: forgotten without waiting for the TTL
+        await _settle()
+        assert b.picker.signals(EP).committed == 0 and b.metric("modeldock_sharing_peers") == 0
+    finally:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
+
+
+async def test_an_older_share_arriving_after_a_newer_push_is_not_taken(hub: ShareHub) -> None:
+    a, b = Replica("a", hub), Replica("b", hub)
+    a.picker.pick("m", cost=100)
+    await a.sharing.exchange()
+    old = hub.shares["a"][1]
+    a.picker.pick("m", cost=200)
+    await a.sharing.exchange()
+    b.sharing.pushed("a", hub.shares["a"][1])  # the newer one, pushed first
+    assert b.picker.signals(EP).committed == 0  # b has no shared view before its first exchange...
+    hub.shares["a"] = (hub.clock.monotonic(), old)  # ...whose reply carries the older share
+    assert await b.sharing.exchange()
+    assert b.picker.signals(EP).committed == 300
+    b.sharing.pushed("a", b"\x93junk")
+    assert b.picker.signals(EP).committed == 300 and b.metric("modeldock_sharing_bad_shares_total") == 1
+
+
+async def test_a_lost_push_is_filled_by_the_next_exchange(hub: ShareHub, clock: FakeClock) -> None:
+    a, b = Replica("a", hub), Replica("b", hub)
+    assert await b.sharing.exchange()
+    listening = asyncio.create_task(b.sharing.listen())
+    try:
+        await _settle()
+        hub.partitioned.add("b")  # b's subscription loses what is published now
+        a.picker.pick("m", cost=400)
+        await a.sharing.exchange()
+        await _settle()
+        assert b.picker.signals(EP).committed == 0
+        hub.partitioned.clear()
+        assert await b.sharing.exchange()
+        assert b.picker.signals(EP).committed == 400
+    finally:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
