@@ -28,6 +28,7 @@ from modeldock.errors import Rejection
 from modeldock.flowcontrol.config import QueueConfig
 from modeldock.flowcontrol.item import Item
 from modeldock.flowcontrol.metrics import QueueMetrics
+from modeldock.flowcontrol.pool_order import CallLater, PoolOrder
 from modeldock.flowcontrol.queue_share import QueuedFlow
 from modeldock.flowcontrol.queues import FlowQueues
 from modeldock.flowcontrol.standing import Standing
@@ -57,9 +58,9 @@ def _release(pick: Pick) -> None:
 
 class Dispatcher:
     def __init__(self, config: QueueConfig, clock: Clock, *, pick: PickFn, speed: Callable[[str], float],
-                 metrics: QueueMetrics | None = None) -> None:
+                 metrics: QueueMetrics | None = None, call_later: CallLater | None = None) -> None:
         """`pick`: the picker's pick-and-count; `speed(model)`: tokens/second the model's endpoints
-        process together (the queues' drain budget)."""
+        process together (the queues' drain budget); `call_later`: the loop's (tests inject one)."""
         self.config = config
         self._clock = clock
         self.pick_and_count = pick  # public: a test may stand in for the picker
@@ -68,6 +69,7 @@ class Dispatcher:
         self.standing = Standing(clock, config.headroom_window_seconds, config.share_window_seconds)
         self._dispatching = False
         self._again: set[str] = set()
+        self.order = PoolOrder(clock, self.dispatch, call_later=call_later)  # the peers' heads (several replicas)
 
     def flows(self) -> tuple[QueuedFlow, ...]:
         """Every model's queued flows here, for the peers (modeldock/sharing)."""
@@ -76,13 +78,15 @@ class Dispatcher:
     def apply_peer_flows(self, flows: Iterable[QueuedFlow]) -> None:
         """The peers' queued flows (all of them, after an exchange; none: the local view): each
         model's queue counts them in its drain budget."""
-        by_model: dict[str, list[QueuedFlow]] = {}
+        grouped: dict[str, list[QueuedFlow]] = {}
         for flow in flows:
-            by_model.setdefault(flow.model, []).append(flow)
+            grouped.setdefault(flow.model, []).append(flow)
+        by_model = {model: tuple(peer) for model, peer in grouped.items()}
         for queue in self.queues:
-            queue.peer_flows = tuple(by_model.pop(queue.model, ()))
+            queue.peer_flows = by_model.get(queue.model, ())
         for model, peer in by_model.items():  # a model queued only elsewhere: its queue here knows it
-            self.queues.get(model).peer_flows = tuple(peer)
+            self.queues.get(model).peer_flows = peer
+        self.order.apply(by_model)
 
     async def acquire(self, request: Waiting) -> Pick:
         """An endpoint for `request`, picked and counted: at once when there is room and nobody waits
@@ -99,13 +103,15 @@ class Dispatcher:
         # Nobody waits, or this request is protected from those who wait: the slots they leave free
         # are its own, so it takes one at once rather than queue behind one that may not take it.
         fast = self._prefer_fast(model, tenant, priority, headroom)
-        if queue is None or fast:
+        # Nobody waits here, but a peer's head would be served first: wait behind it (pool_order.py).
+        yields = queue is None and self.config.enabled and self.order.ahead(model, tenant, priority, headroom is None)
+        if (queue is None and not yields) or fast:
             try:
                 return self._picked(request, headroom, fast)
             except Saturated:
                 if not self.config.enabled:
                     raise
-        behind = queue is not None  # others wait: join them (fair order), then let dispatch decide
+        behind = queue is not None or yields  # others wait: join them (fair order), then let dispatch decide
         queue = self.queues.get(model)
         item = queue.enqueue(request, protected=self._passes(headroom))
         if behind:
@@ -168,6 +174,8 @@ class Dispatcher:
         """Pick and count for a queued request, or None: still no room."""
         request = item.request
         headroom = self.headroom(request.model, item.tenant, item.weight, item.priority)
+        if self.order.yields(request.model, item, headroom is None):
+            return None  # an older peer head takes this room first (it hears of it by the push)
         try:
             return self._picked(request, headroom, self._prefer_fast(request.model, item.tenant, item.priority,
                                                                      headroom))

@@ -40,3 +40,4 @@ class Item(Generic[T]):
     taken: bool = False  # the waiter received the claim (or it was released)
     start: float = 0.0  # SFQ tags, set while the item is its flow's head
     finish: float = 0.0
+    yielded_at: float | None = None  # first left room to an older peer head (pool_order.py)

@@ -203,11 +203,12 @@ class FlowQueue(Generic[T]):
     def flows(self) -> list[QueuedFlow]:
         """What waits here, per class and tenant, for the peers."""
         out = []
+        now = self._clock.monotonic()
         for band in self._bands:
             for tenant, items in band.flows.items():
                 if items:
                     out.append(QueuedFlow(self.model, band.priority, tenant, items[0].weight,
-                                          band.queued.get(tenant, 0)))
+                                          band.queued.get(tenant, 0), now - items[0].enqueued_at))
         return out
 
     def _band(self, priority: int) -> Band[T]:

@@ -22,6 +22,9 @@ class QueuedFlow(msgspec.Struct, frozen=True, array_like=True):
     tenant: str
     weight: float
     tokens: int
+    # How long its head had waited when the share was built (the transport ages it on to when it
+    # applies the share): which replica's head one queue would serve first (pool_order.py).
+    waited: float = 0.0
 
 
 def peer_ahead(flows: Iterable[QueuedFlow], tenant: str, priority: int, weight: float, own: float) -> float:

@@ -21,7 +21,7 @@ class SharingConfig(BaseModel):
     interval_ms: Annotated[int, Field(ge=20, le=2000)] = 100
     # A pick or a release here brings the next exchange forward (its peers hear of it within a round
     # trip or so, not an interval), but never closer than this to the last one.
-    min_gap_ms: Annotated[int, Field(ge=1, le=1000)] = 20
+    min_gap_ms: Annotated[int, Field(ge=1, le=1000)] = 5
     # A replica not heard from for this long is forgotten; with Redis unreachable this long, each
     # replica falls back to its own view.
     ttl_ms: Annotated[int, Field(ge=200, le=30_000)] = 2000

@@ -234,16 +234,18 @@ class Sharing:
     def _rebuild(self, now: float) -> None:
         peers = self._peers.values()
         loads = PeerLoad.merge(((p.age + now - p.got_at, p.share.holdings) for p in peers), now)
-        self._apply(loads, len(self._peers), [p.share.standing for p in peers],
-                    [flow for p in peers for flow in p.share.queued])
+        queued = [msgspec.structs.replace(flow, waited=flow.waited + p.age + now - p.got_at)  # heads' waits now
+                  for p in peers for flow in p.share.queued]
+        self._apply(loads, len(self._peers), [p.share.standing for p in peers], queued)
 
     def _apply(self, peers: Mapping[str, PeerLoad], count: int,
                standings: Sequence[Sequence[ModelStanding]] = (), queued: Sequence[QueuedFlow] = ()) -> None:
-        self._board.set_peers(peers)
+        # The standing and the queued flows first: the holdings' room listeners dispatch on them.
         if self._standing is not None:
             self._standing.apply_peers(standings)
         if self._queues is not None:
             self._queues.apply_peer_flows(queued)
+        self._board.set_peers(peers)
         self.metrics.peers.set(count)
         self.metrics.peer_in_flight.set(sum(p.in_flight for p in peers.values()))
         self.metrics.peer_committed.set(sum(p.committed for p in peers.values()))
