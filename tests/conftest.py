@@ -1,9 +1,13 @@
-"""Suite-wide settings, and the e2e marker on everything under tests/e2e/ (the fast tier leaves them out)."""
+"""Suite-wide settings, the e2e marker on everything under tests/e2e/ (the fast tier leaves them out), and
+the one fixture of a real Redis server for a test (`redis_server`; a module's own share one the same way)."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.redis_server import RedisServer
 
 # Test processes hold live gRPC state while they start children with a preexec_fn
 # (PR_SET_PDEATHSIG). gRPC's fork handlers then sometimes abort the child between
@@ -18,3 +22,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E_DIR in item.path.parents:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real Redis of its own, on a free port, killed after the test (SIGKILL also ends a paused one)."""
+    with RedisServer() as server:
+        yield server

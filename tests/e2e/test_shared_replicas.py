@@ -25,13 +25,8 @@ MSG = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def redis() -> Iterator[RedisServer]:
-    server = RedisServer()
-    try:
-        server.start()
+    with RedisServer() as server:
         yield server
-    finally:
-        server.resume()
-        server.close()
 
 
 @pytest.fixture(scope="module")

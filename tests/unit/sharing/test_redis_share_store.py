@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import SystemClock
@@ -20,17 +18,6 @@ from modeldock.types import Endpoint
 from tests.support.redis_server import RedisServer
 
 EP = Endpoint("10.0.0.1", 8000)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.resume()
-        server.close()
 
 
 async def test_the_script_returns_the_others_with_their_age_and_deletes_the_expired(redis_server: RedisServer) -> None:
