@@ -82,10 +82,12 @@ class Dispatcher:
         for flow in flows:
             grouped.setdefault(flow.model, []).append(flow)
         by_model = {model: tuple(peer) for model, peer in grouped.items()}
+        now = self._clock.monotonic()
         for queue in self.queues:
-            queue.peer_flows = by_model.get(queue.model, ())
+            queue.peer_flows, queue.peer_at = by_model.get(queue.model, ()), now
         for model, peer in by_model.items():  # a model queued only elsewhere: its queue here knows it
-            self.queues.get(model).peer_flows = peer
+            queue = self.queues.get(model)
+            queue.peer_flows, queue.peer_at = peer, now
         self.order.apply(by_model)
 
     async def acquire(self, request: Waiting) -> Pick:

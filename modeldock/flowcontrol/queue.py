@@ -89,6 +89,7 @@ class FlowQueue(Generic[T]):
         self.counts = Counts()
         # The other replicas' queued flows of this model (set after each exchange; see queue_share.py).
         self.peer_flows: tuple[QueuedFlow, ...] = ()
+        self.peer_at = 0.0  # when peer_flows' `waited` held (clock.monotonic)
 
     def __len__(self) -> int:
         return self._length
@@ -130,8 +131,8 @@ class FlowQueue(Generic[T]):
         if limit is not None and self._tenants.get(tenant, 0) >= limit:
             raise self._refuse(tenant, klass, f"tenant {tenant!r} already has {limit} requests queued")
         max_wait = self.config.max_wait_seconds
-        if (max_wait is not None and self._drain_rate is not None and self._length
-                and self.oldest_wait() >= max_wait * self._shed_after):
+        if (max_wait is not None and self._drain_rate is not None and (self._length or self.peer_flows)
+                and self.pool_oldest_wait() >= max_wait * self._shed_after):
             speed = self._drain_rate()
             ahead = self.ahead(tenant, priority, weight, protected)
             if self.peer_flows:  # the pool drains the peers' queues too (queue_share.py)
@@ -170,6 +171,15 @@ class FlowQueue(Generic[T]):
         flow's head is its oldest."""
         heads = [flow[0].enqueued_at for band in self._bands for flow in band.flows.values()]
         return self._clock.monotonic() - min(heads) if heads else 0.0
+
+    def pool_oldest_wait(self) -> float:
+        """How long the oldest item queued here or on a peer has waited (the peers' heads as last
+        heard, aged on since): the drain budget is the pool's, and so is the evidence of overload."""
+        oldest = self.oldest_wait() if self._length else 0.0
+        if self.peer_flows:
+            since = self._clock.monotonic() - self.peer_at
+            oldest = max(oldest, max(flow.waited for flow in self.peer_flows) + since)
+        return oldest
 
     def _victim(self, tenant: str, priority: int, share: float) -> Item[T] | None:
         """What a new item of `tenant` (class `priority`, `share` = cost / weight) evicts from a
