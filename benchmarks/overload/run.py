@@ -259,6 +259,9 @@ def main() -> int:
     p.add_argument("--run-dir", type=Path, default=None, help="keep logs and results.json here")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning"),
                    help="the gateway's log level (info logs every queue decision, joined on the request id)")
+    p.add_argument("--section", default=None,
+                   help="the docs/benchmarks.md section written (default `overload`, or `overload-replicas` with "
+                        "more than one replica count, `-<tokens>` appended for a long length other than 256)")
     p.add_argument("--report-from", type=Path, default=None, metavar="RUN_DIR",
                    help="run nothing: rewrite the report from RUN_DIR/results.json")
     args = p.parse_args()
@@ -269,7 +272,8 @@ def main() -> int:
         if args.no_write:
             print(text)
         else:
-            write_section("overload", TITLE, reproduce(saved_args(saved["command"])), text)
+            name, title = _section(args.section, saved_args(saved["command"]))
+            write_section(name, title, reproduce(saved_args(saved["command"])), text)
         return 0
 
     configs = list(plan.CONFIGS)
@@ -334,10 +338,27 @@ def main() -> int:
     if args.no_write:
         print(text)
     else:
-        write_section("overload", TITLE, saved["command"], text)
+        name, title = _section(args.section, saved_args(saved["command"]))
+        write_section(name, title, saved["command"], text)
         print("wrote docs/benchmarks.md")
     print(f"run dir: {run_dir}; {saved['elapsed_s'] / 60:.1f} min")
     return 0
+
+
+def _section(given: str | None, argv: Sequence[str]) -> tuple[str, str]:
+    """The section and title of a run: the replicas' runs and another long length get their own."""
+    def value(flag: str, default: str) -> str:
+        return argv[argv.index(flag) + 1] if flag in argv[:-1] else default
+
+    replicas = value("--replicas", "1")
+    long_tokens = value("--long-tokens", "256")
+    name = given or ("overload" if replicas == "1" else "overload-replicas")
+    title = TITLE if replicas == "1" else f"Overload with {replicas.replace(',', ', ')} replicas sharing load state " \
+                                          "(real gateways, one uneven pool)"
+    if given is None and long_tokens != "256":
+        name += f"-{long_tokens}"
+        title += f", long generations of {long_tokens} tokens"
+    return name, title
 
 
 def saved_args(command: str) -> list[str]:
