@@ -43,7 +43,8 @@ def test_peer_ahead_is_fair_queueing_over_the_peers_flows() -> None:
     assert peer_ahead(flows, "b", 1, 1.0, 0.0) == 30
 
 
-def test_the_budget_applies_to_an_empty_queue_here_when_a_peers_has_waited(idle_loop: asyncio.AbstractEventLoop) -> None:
+def test_the_budget_applies_to_an_empty_queue_here_when_a_peers_has_waited(
+        idle_loop: asyncio.AbstractEventLoop) -> None:
     # 500 tokens/s for 0.5 s: 250 may be ahead; the peer holds 400 of the same tenant. Nothing queued here.
     h = Harness(idle_loop, max_length=1000, max_wait_seconds=0.5, drain_rate=lambda: 500.0, shed_after=0.5)
     h.queue.peer_flows, h.queue.peer_at = (QueuedFlow("m", 1, "a", 1.0, 400, waited=0.1),), h.clock.monotonic()

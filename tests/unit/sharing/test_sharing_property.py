@@ -1,9 +1,11 @@
-"""Property: N replicas with random picks, releases, exchanges, deaths and partitions on an injected
-clock. The model below tracks, independently of the code, what each replica published and when; the
-properties:
+"""Property: N replicas with random picks, releases, exchanges, pushes delivered, deaths and partitions
+on an injected clock. The model below tracks, independently of the code, what each replica published and
+when, and which pushes reached whom; the properties:
 
-- every replica's view of its peers is exactly the sum of their last shares that reached the store
-  within the TTL of its own last exchange (nothing counted twice, nothing of a dead peer kept past it);
+- every replica's view of its peers is exactly the sum of the newest share of each that it took in, from
+  its last exchange's reply (every share in the store within the TTL) or from a push delivered since
+  (nothing counted twice, an older share never over a newer one, nothing of a dead peer kept past the
+  TTL);
 - the pool never holds more than the capacity plus what the picking replica could not have seen: its
   peers' tokens picked after their last share it read (the documented bound);
 - nothing leaks: once every live replica released its requests and exchanged, and the dead ones'
@@ -40,15 +42,22 @@ class R:
     sharing: Sharing
     leases: list[Lease] = field(default_factory=list)
     alive: bool = True
-    # (store time, committed) of its last share that reached the store
-    published: tuple[float, int] | None = None
-    seen: dict[str, int] = field(default_factory=dict)  # what its last good exchange read of each peer
+    inbox: list[tuple[str, int, int]] = field(default_factory=list)  # undelivered pushes: (peer, index, committed)
+    # (store time, committed, publication index) of its last share that reached the store
+    published: tuple[float, int, int] | None = None
+    latest: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # peer -> (index, committed, taken at)
+    queue: asyncio.Queue[tuple[str, bytes]] | None = None  # the hub's pushes to it
+
+    @property
+    def seen(self) -> dict[str, int]:
+        """What its view counts of each peer (nothing on the local view)."""
+        return {name: c for name, (_, c, _) in self.latest.items()} if self.sharing.shared else {}
 
     def committed(self) -> int:
         return sum(lease.tokens for lease in self.leases if not lease.released)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["pick", "release", "exchange", "advance", "kill", "cut", "heal"]),
+OPS = st.lists(st.tuples(st.sampled_from(["pick", "release", "exchange", "push", "advance", "kill", "cut", "heal"]),
                          st.integers(0, 2), st.integers(50, 900)), min_size=1, max_size=60)
 
 
@@ -66,18 +75,51 @@ async def _run(n: int, ops: list[tuple[str, int, int]]) -> None:
         picker = Picker(clock, fallbacks=0, rng=random.Random(i), saturation=Saturation(room=True), stale_after=1e9)
         picker.set_endpoints("m", [EP])
         picker.observe(EP, Sample(waiting=0, running=0, kv=0.0, capacity=CAPACITY), clock.monotonic())
-        rs.append(R(f"r{i}", picker, Sharing(picker, hub.store(), clock, CONFIG, CollectorRegistry(), replica=f"r{i}")))
+        store = hub.store()
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        hub.listeners[store] = queue  # subscribed from the start; pushes are delivered one by one below
+        store.replica = f"r{i}"
+        rs.append(R(f"r{i}", picker, Sharing(picker, store, clock, CONFIG, CollectorRegistry(), replica=f"r{i}"),
+                    queue=queue))
+    index = 0
 
-    async def exchange(r: R) -> None:
-        ok = await r.sharing.exchange()
-        if not ok:
-            return
-        now = clock.monotonic()
-        r.published = (now, r.committed())
-        r.seen = {q.name: q.published[1] for q in rs
-                  if q is not r and q.published is not None and now - q.published[0] <= TTL}
+    def check_view(r: R) -> None:
         view = r.picker.signals(EP).committed - r.committed()
         assert view == sum(r.seen.values())
+
+    async def exchange(r: R) -> None:
+        nonlocal index
+        was_shared = r.sharing.shared
+        ok = await r.sharing.exchange()
+        now = clock.monotonic()
+        if not ok:
+            if was_shared and not r.sharing.shared:
+                r.latest.clear()  # the local view: what it held of its peers is gone
+            return
+        index += 1
+        r.published = (now, r.committed(), index)
+        for q in rs:  # the script published it to every subscriber not cut off
+            if q is not r and q.name not in hub.partitioned:
+                q.inbox.append((r.name, index, r.published[1]))
+        reply = {q.name: q.published for q in rs
+                 if q is not r and q.published is not None and now - q.published[0] <= TTL}
+        for name, (_, committed, idx) in reply.items():
+            if name not in r.latest or idx > r.latest[name][0]:
+                r.latest[name] = (idx, committed, now)
+        r.latest = {name: v for name, v in r.latest.items() if name in reply or v[2] >= now}
+        check_view(r)
+
+    def push(r: R) -> None:
+        assert r.queue is not None and r.queue.qsize() == len(r.inbox)
+        if not r.inbox:
+            return
+        name, payload = r.queue.get_nowait()
+        peer, idx, committed = r.inbox.pop(0)
+        assert name == peer
+        r.sharing.pushed(name, payload)
+        if peer not in r.latest or idx > r.latest[peer][0]:
+            r.latest[peer] = (idx, committed, clock.monotonic())
+        check_view(r)
 
     for op, who, amount in ops:
         r = rs[who % n]
@@ -95,6 +137,8 @@ async def _run(n: int, ops: list[tuple[str, int, int]]) -> None:
             r.leases.pop(amount % len(r.leases)).release()
         elif op == "exchange" and r.alive:
             await exchange(r)
+        elif op == "push" and r.alive:
+            push(r)
         elif op == "advance":
             clock.advance(amount / 1000)
         elif op == "kill" and r.alive and sum(q.alive for q in rs) > 1:
