@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import aiohttp
 import yaml
 
+from benchmarks._load import load
 from benchmarks._proc import cpu_seconds
 from benchmarks._report import write_section
 from benchmarks.gateway_latency import ENVOY_ONLY  # the baseline path: a static Envoy, the router alone
@@ -41,43 +41,6 @@ CHUNKS = 50
 STACK_PARTS = ("envoy", "extproc", "xds")
 SIM_ARGS = ("--speed", "1000", "--max-num-seqs", "2048", "--num-gpu-blocks", "200000")
 
-
-
-async def _load(url: str, token: str | None, concurrency: int, count: int, stream: bool) -> tuple[int, int]:
-    """`count` requests, `concurrency` at a time; (completed, errors). A stream must bring CHUNKS content chunks."""
-    body: dict[str, object] = {"model": "demo-model", "messages": [{"role": "user", "content": "hello there"}],
-                               "max_tokens": CHUNKS if stream else 1, "stream": stream}
-    if stream:
-        body["ignore_eos"] = True
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    done = errors = 0
-    left = count
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal done, errors, left
-        while left > 0:
-            left -= 1
-            try:
-                async with session.post(f"{url}/chat/completions", json=body, headers=headers) as resp:
-                    if resp.status != 200:
-                        errors += 1
-                        await resp.read()
-                        continue
-                    if not stream:
-                        await resp.read()
-                    else:
-                        chunks = sum([1 async for line in resp.content if line.startswith(b"data: {")])
-                        if chunks < CHUNKS:
-                            errors += 1
-                            continue
-                    done += 1
-            except (TimeoutError, aiohttp.ClientError):
-                errors += 1
-
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4), timeout=timeout) as s:
-        await asyncio.wait_for(asyncio.gather(*(worker(s) for _ in range(concurrency))), 600)
-    return done, errors
 
 
 def _edit(settings: list[str]) -> Callable[[dict[str, object], object], None]:
@@ -153,15 +116,16 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             sent: dict[tuple[str, str], int] = {}
             errors = 0
             for url, token, _pids in paths.values():  # warm-up: connections and lazily built state
-                await _load(url, token, 16, 200, False)
-                await _load(url, token, 16, 20, True)
+                await load(url, 200, 16, token=token)
+                await load(url, 20, 16, token=token, stream_chunks=CHUNKS, deadline=600)
             for round_ in range(args.rounds):
                 order = list(paths.items()) if round_ % 2 == 0 else list(paths.items())[::-1]
                 for label, concurrency, count, stream in workloads:
                     for name, (url, token, pids) in order:
                         await asyncio.sleep(args.settle)
                         before, started = [cpu_seconds(p) for p in pids], time.monotonic()
-                        _done, errs = await _load(url, token, concurrency, count, stream)
+                        _done, errs = await load(url, count, concurrency, token=token,
+                                                 stream_chunks=CHUNKS if stream else 0, deadline=600)
                         wall[(name, label)] = wall.get((name, label), 0.0) + time.monotonic() - started
                         used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
                         cpu[(name, label)] = cpu.get((name, label), 0.0) + sum(used)

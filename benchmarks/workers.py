@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import yaml
 
+from benchmarks._load import load
 from benchmarks._proc import cpu_seconds
 from benchmarks._report import table, write_section
 from modeldock.config import load_config
-from modeldock.devstack.stack import API_KEY, PY, Stack, running_stack, wait_until
+from modeldock.devstack.stack import PY, Stack, running_stack, wait_until
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
 from modeldock.up import Supervisor, envoy_ready, free_port, free_ports
 
@@ -41,33 +41,6 @@ def machine_busy_seconds() -> float:
     fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     return (sum(fields[:8]) - idle) / _CLK
-
-
-async def load(url: str, count: int) -> tuple[int, int]:
-    """`count` requests, CONCURRENCY at a time; (completed, errors)."""
-    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    done = errors = 0
-    left = count
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal done, errors, left
-        while left > 0:
-            left -= 1
-            try:
-                async with session.post(f"{url}/chat/completions", json=body, headers=headers) as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        done += 1
-                    else:
-                        errors += 1
-            except (TimeoutError, aiohttp.ClientError):
-                errors += 1
-
-    connector = aiohttp.TCPConnector(limit=CONCURRENCY + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await asyncio.wait_for(asyncio.gather(*(worker(session) for _ in range(CONCURRENCY))), 300)
-    return done, errors
 
 
 @dataclass
@@ -133,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict[str, FrontDoor]:
             paths = {"1 worker": FrontDoor(stack.base_url, [by_name["extproc"]], by_name["envoy"]),
                      "2 workers": start_two_workers(sup, stack, Path(tmp))}
             for path in paths.values():  # warm-up: connections, lazily built state
-                await load(path.url, 300)
+                await load(path.url, 300, CONCURRENCY)
             for round_ in range(args.rounds):
                 order = list(paths.values()) if round_ % 2 == 0 else list(paths.values())[::-1]
                 for path in order:
@@ -141,7 +114,7 @@ async def run(args: argparse.Namespace) -> dict[str, FrontDoor]:
                     ext0 = sum(cpu_seconds(p) for p in path.extproc_pids)
                     env0, mach0, t0 = cpu_seconds(path.envoy_pid), machine_busy_seconds(), time.monotonic()
                     client0, sims0 = time.process_time(), sum(cpu_seconds(p) for p in sims)
-                    done, errors = await load(path.url, args.requests)
+                    done, errors = await load(path.url, args.requests, CONCURRENCY)
                     wall = time.monotonic() - t0
                     path.wall += wall
                     path.machine_cpu += machine_busy_seconds() - mach0
