@@ -144,8 +144,12 @@ class Sharing:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            # Brought forward by a change here: write and push only (the peers' shares come by
+            # their pushes); on the interval, read every share too (the dead are forgotten, a lost
+            # push is filled), and always while not shared.
+            nudged = self._wake.is_set()
             self._wake.clear()
-            await self.exchange()
+            await self.exchange(read=not nudged or not self.shared)
             self.first.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, self.interval - (loop.time() - started))):
@@ -154,8 +158,8 @@ class Sharing:
             if gap > 0:
                 await asyncio.sleep(gap)
 
-    async def exchange(self) -> bool:
-        """One exchange; True when it reached Redis."""
+    async def exchange(self, read: bool = True) -> bool:
+        """One exchange (with `read`, every peer's share comes back); True when it reached Redis."""
         self._seq += 1
         standing = self._standing.share() if self._standing is not None else ()
         flows = self._queues.flows() if self._queues is not None else ()
@@ -164,22 +168,15 @@ class Sharing:
         started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.timeout):
-                received = await self._store.exchange(self.replica, share, self.ttl_ms)
+                received = await self._store.exchange(self.replica, share, self.ttl_ms, read)
         except (RedisError, RedisUnavailable, OSError, TimeoutError) as exc:
             self._failed(exc)
             return False
         now = self._clock.monotonic()
         self.metrics.seconds.observe(now - started)
         self.metrics.exchanges.labels("ok").inc()
-        half_trip = (now - started) / 2  # the ages are Redis's at the script: about half the round trip ago
-        live = set()
-        for name, age, payload in received:
-            if (peer := self._decode(payload)) is not None:
-                live.add(name)
-                self._take(name, peer, now, age + half_trip)
-        for name in [n for n, p in self._peers.items() if n not in live and p.got_at < started]:
-            del self._peers[name]  # gone from Redis (died, left, cut off) and not pushed since we asked
-        self._rebuild(now)
+        if read or not self.shared:
+            self._read(received, started, now)
         if not self.shared:
             self.shared = True
             self.metrics.shared.set(1)
@@ -190,6 +187,20 @@ class Sharing:
                 log.info("sharing: replica %s sees %d peer replicas", self.replica, len(self._peers))
         self.last_ok = now
         return True
+
+    def _read(self, received: Sequence[tuple[str, float, bytes]], started: float, now: float) -> None:
+        half_trip = (now - started) / 2  # the ages are Redis's at the script: about half the round trip ago
+        live = set()
+        changed = not self.shared  # the view is applied on the first good exchange (and after a fallback)
+        for name, age, payload in received:
+            if (peer := self._decode(payload)) is not None:
+                live.add(name)
+                changed |= self._take(name, peer, now, age + half_trip)
+        for name in [n for n, p in self._peers.items() if n not in live and p.got_at < started]:
+            del self._peers[name]  # gone from Redis (died, left, cut off) and not pushed since we asked
+            changed = True
+        if changed:  # else every share came by a push first: the view has it already
+            self._rebuild(now)
 
     def pushed(self, name: str, payload: bytes) -> None:
         """A peer's share as it was written (or, empty, that it left): into the view at once."""
@@ -210,7 +221,7 @@ class Sharing:
         meanwhile: a lost push is only a later view, at most one interval)."""
         while True:
             try:
-                async for name, payload in self._store.pushes():
+                async for name, payload in self._store.pushes(self.replica):
                     self.pushed(name, payload)
             except (RedisError, RedisUnavailable, OSError) as exc:
                 if self._throttle.ready():

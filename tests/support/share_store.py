@@ -2,8 +2,9 @@
 for unit and property tests. Every replica's store is a view of one `ShareHub`; the hub can be down
 (every exchange fails) and a replica can be partitioned from it (only its exchanges fail).
 
-Pushes: every exchange's share (and a leave) is queued for every other store iterating `pushes()`,
-unless the hub is down or the writer or the reader is partitioned then (a lost push, as on Redis)."""
+Pushes: every exchange's share (and a leave) is queued for every other store iterating `pushes()` whose
+replica has a share in the hub (as the script publishes to the live peers' channels only), unless the hub
+is down or the writer or the reader is partitioned then (a lost push, as on Redis)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class ShareHub:
         if self.down or writer in self.partitioned:
             return
         for store, queue in self.listeners.items():
-            if store.replica not in self.partitioned:
+            if store.replica != writer and store.replica in self.shares and store.replica not in self.partitioned:
                 queue.put_nowait((writer, share))
 
     def store(self) -> MemoryShareStore:
@@ -44,14 +45,14 @@ class MemoryShareStore:
         if self.hub.down or replica in self.hub.partitioned:
             raise RedisConnectionError("hub unreachable")
 
-    async def exchange(self, replica: str, share: bytes, ttl_ms: int) -> list[tuple[str, float, bytes]]:
+    async def exchange(self, replica: str, share: bytes, ttl_ms: int,
+                       read: bool = True) -> list[tuple[str, float, bytes]]:
         self._check(replica)
         self.replica = replica
         hub = self.hub
         hub.exchanges += 1
         now = hub.clock.monotonic()
         hub.shares[replica] = (now, share)
-        hub.publish(replica, share)
         out = []
         for peer, (at, payload) in list(hub.shares.items()):
             if peer == replica:
@@ -60,16 +61,18 @@ class MemoryShareStore:
                 del hub.shares[peer]  # as the script does: older than the TTL is forgotten
             else:
                 out.append((peer, now - at, payload))
-        return out
+        hub.publish(replica, share)
+        return out if read else []
 
     async def leave(self, replica: str) -> None:
         self._check(replica)
         self.hub.shares.pop(replica, None)
         self.hub.publish(replica, b"")
 
-    async def pushes(self) -> AsyncIterator[tuple[str, bytes]]:
+    async def pushes(self, replica: str) -> AsyncIterator[tuple[str, bytes]]:
         if self.hub.down:
             raise RedisConnectionError("hub unreachable")
+        self.replica = replica
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self.hub.listeners[self] = queue
         try:

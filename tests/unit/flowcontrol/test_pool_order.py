@@ -74,6 +74,7 @@ async def _pool(clock: FakeClock) -> tuple[ShareHub, ManualTimers, Replica, Repl
     a, b = Replica("a", hub, timers), Replica("b", hub, timers)
     listeners = [asyncio.ensure_future(r.sharing.listen()) for r in (a, b)]
     await _settle()
+    await _exchange(a, b)  # each is a live peer of the other (as a replica is before it reports ready)
     return hub, timers, a, b, listeners
 
 

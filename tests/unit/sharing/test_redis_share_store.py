@@ -103,7 +103,7 @@ async def test_every_exchange_is_pushed_to_the_subscribed_peers_and_a_leave_too(
     subscribed = asyncio.Event()
 
     async def listen() -> None:
-        pushes = b.pushes()
+        pushes = b.pushes("b")
         first = asyncio.ensure_future(anext(pushes))
         await asyncio.sleep(0.2)  # subscribed by then (nothing is published before)
         subscribed.set()
@@ -115,7 +115,8 @@ async def test_every_exchange_is_pushed_to_the_subscribed_peers_and_a_leave_too(
     try:
         async with asyncio.timeout(5):
             await subscribed.wait()
-            await a.exchange("a", b"\x00one|two", 1000)  # binary, with the separator inside the share
+            assert await b.exchange("b", b"B", 1000) == []  # b is a live peer now: pushes go to its channel
+            assert await a.exchange("a", b"\x00one|two", 1000, read=False) == []  # binary, "|" inside
             await a.leave("a")
             while len(got) < 2:
                 await asyncio.sleep(0.01)

@@ -98,8 +98,9 @@ async def _run(n: int, ops: list[tuple[str, int, int]]) -> None:
             return
         index += 1
         r.published = (now, r.committed(), index)
-        for q in rs:  # the script published it to every subscriber not cut off
-            if q is not r and q.name not in hub.partitioned:
+        for q in rs:  # the script published it to every live peer's channel (a share within the TTL), not cut off
+            if (q is not r and q.name not in hub.partitioned and q.published is not None
+                    and now - q.published[0] <= TTL):
                 q.inbox.append((r.name, index, r.published[1]))
         reply = {q.name: q.published for q in rs
                  if q is not r and q.published is not None and now - q.published[0] <= TTL}
