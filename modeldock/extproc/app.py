@@ -271,8 +271,8 @@ def _sharing(config: Config, picker: Picker, flow: Dispatcher, clock: Clock,
     store = RedisShareStore(make_redis_client(url, timeout, batch=True), make_redis_client(url, timeout, batch=True))
     sharing = Sharing(picker, store, clock, config.sharing, registry, standing=flow.standing,
                       queues=flow)
-    picker.add_claim_listener(sharing.nudge)  # peers hear of a pick or a release within a round trip or so
-    picker.add_release_listener(lambda _endpoint: sharing.nudge())
+    picker.add_claim_listener(sharing.changed)  # pushed at once where a peer's decision can turn on it
+    picker.add_release_listener(sharing.changed)
     log.info("sharing load state with the other replicas through Redis as %s (every %d ms, forgotten after %d ms)",
              sharing.replica, config.sharing.interval_ms, config.sharing.ttl_ms)
     return sharing

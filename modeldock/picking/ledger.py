@@ -85,7 +85,7 @@ class Ledger:
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
         self._listeners: list[Callable[[str], None]] = []
         self._release_listeners: list[Callable[[Endpoint], None]] = []
-        self._claim_listeners: list[Callable[[], None]] = []
+        self._claim_listeners: list[Callable[[Endpoint], None]] = []
         self._picked_at: dict[int, float] = {}  # sequence number -> when claimed (the holdings' pick ages)
         self._peers: dict[Endpoint, PeerLoad] = {}  # the other replicas' holdings (`set_peers`)
 
@@ -101,8 +101,8 @@ class Ledger:
         synchronously from release and move: it must not raise and should only schedule work."""
         self._release_listeners.append(listener)
 
-    def add_claim_listener(self, listener: Callable[[], None]) -> None:
-        """`listener()`: a request was counted (a pick, or a move's new endpoint). Called synchronously
+    def add_claim_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """`listener(endpoint)`: a request was counted there (a pick, or a move's new endpoint). Called synchronously
         from the claim: it must not raise and should only schedule work (the peers' exchange, sooner)."""
         self._claim_listeners.append(listener)
 
@@ -227,7 +227,7 @@ class Ledger:
         load.add(self._seq, tokens, output)
         self._picked_at[self._seq] = self._clock.monotonic()
         for listener in self._claim_listeners:
-            listener()
+            listener(endpoint)
         return self._seq
 
     def _new_load(self, endpoint: Endpoint) -> Load:

@@ -176,6 +176,17 @@ class Picker:
         """What a scorer would see for `endpoint` now."""
         return self._ledger.signals(endpoint)
 
+    def fullness(self, endpoint: Endpoint) -> float:
+        """How full `endpoint` is as the pool counts it: the larger of its requests over its batch
+        limit and its committed tokens over its KV capacity; 1.0 while neither is known."""
+        s = self._ledger.signals(endpoint)
+        full = -1.0
+        if s.limit > 0:
+            full = max(s.in_flight, s.running + s.waiting) / s.limit
+        if s.capacity > 0:
+            full = max(full, s.committed / s.capacity)
+        return 1.0 if full < 0 else full
+
     def score(self, endpoint: Endpoint) -> float | None:
         """The endpoint's load score now (lower is better); None for round_robin."""
         return self._scheduler.score(endpoint)
@@ -218,8 +229,8 @@ class Picker:
     def peers(self, endpoint: Endpoint) -> PeerLoad | None:
         return self._ledger.peers(endpoint)
 
-    def add_claim_listener(self, listener: Callable[[], None]) -> None:
-        """`listener()` after every claim (pick or move), synchronously: the sharing loop's nudge."""
+    def add_claim_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """`listener(endpoint)` after every claim (pick or move), synchronously: the sharing loop's nudge."""
         self._ledger.add_claim_listener(listener)
 
     def add_room_listener(self, listener: Callable[[str], None]) -> None:

@@ -22,6 +22,10 @@ class SharingConfig(BaseModel):
     # A pick or a release here brings the next exchange forward (its peers hear of it within a round
     # trip or so, not an interval), but never closer than this to the last one.
     min_gap_ms: Annotated[int, Field(ge=1, le=1000)] = 5
+    # ...when its endpoint is at least this full (requests of its batch limit, or committed tokens of
+    # its KV capacity), or a peer has requests queued: only then can a peer's next decision turn on
+    # it. Below, the peers hear of it at the next interval. 0: every pick and release at once.
+    push_above: Annotated[float, Field(ge=0, le=1)] = 0.5
     # A replica not heard from for this long is forgotten; with Redis unreachable this long, each
     # replica falls back to its own view.
     ttl_ms: Annotated[int, Field(ge=200, le=30_000)] = 2000

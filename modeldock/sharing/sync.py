@@ -35,16 +35,19 @@ from modeldock.redis_client import LogThrottle, RedisUnavailable
 from modeldock.sharing.config import SharingConfig
 from modeldock.sharing.records import ReplicaShare, decode, encode
 from modeldock.sharing.store import ShareStore
+from modeldock.types import Endpoint
 
 log = logging.getLogger("modeldock.sharing")
 
 
 class LoadBoard(Protocol):
-    """What the picker gives and takes (`Picker.holdings`, `Picker.set_peers`)."""
+    """What the picker gives and takes (`Picker.holdings`, `Picker.set_peers`, `Picker.fullness`)."""
 
     def holdings(self) -> list[Holding]: ...
 
     def set_peers(self, peers: Mapping[str, PeerLoad]) -> None: ...
+
+    def fullness(self, endpoint: Endpoint) -> float: ...
 
 
 class StandingBoard(Protocol):
@@ -112,6 +115,8 @@ class Sharing:
         self.replica = replica or config.replica_name()
         self.interval = config.interval_ms / 1000.0
         self.min_gap = config.min_gap_ms / 1000.0
+        self.push_above = config.push_above
+        self._peers_queue = False  # a peer has requests queued (its next dispatch turns on our releases)
         self._wake = asyncio.Event()
         self.timeout = config.timeout_ms / 1000.0
         self.ttl_ms = config.ttl_ms
@@ -136,12 +141,20 @@ class Sharing:
         self._listener = asyncio.create_task(self.listen(), name="sharing-pushes")
 
     def nudge(self) -> None:
-        """Something changed here (a pick, a release): exchange sooner than the interval, at most one
-        `min_gap_ms` after the last. Synchronous and cheap: called on every claim and release."""
+        """Something changed here: exchange sooner than the interval, at most one `min_gap_ms` after
+        the last. Synchronous and cheap."""
         self._wake.set()
+
+    def changed(self, endpoint: Endpoint) -> None:
+        """A pick or a release on `endpoint` (the picker's claim and release listeners): pushed at
+        once when a peer's next decision can turn on it (the endpoint at least `push_above` full, or
+        a peer with requests queued), else with the next interval's exchange."""
+        if self._peers_queue or self._board.fullness(endpoint) >= self.push_above:
+            self._wake.set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        last_read = loop.time()
         while True:
             started = loop.time()
             # Brought forward by a change here: write and push only (the peers' shares come by
@@ -149,7 +162,10 @@ class Sharing:
             # push is filled), and always while not shared.
             nudged = self._wake.is_set()
             self._wake.clear()
-            await self.exchange(read=not nudged or not self.shared)
+            read = not nudged or not self.shared or started - last_read >= self.interval
+            if read:
+                last_read = started
+            await self.exchange(read=read)
             self.first.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, self.interval - (loop.time() - started))):
@@ -247,6 +263,7 @@ class Sharing:
         loads = PeerLoad.merge(((p.age + now - p.got_at, p.share.holdings) for p in peers), now)
         queued = [msgspec.structs.replace(flow, waited=flow.waited + p.age + now - p.got_at)  # heads' waits now
                   for p in peers for flow in p.share.queued]
+        self._peers_queue = bool(queued)
         self._apply(loads, len(self._peers), [p.share.standing for p in peers], queued)
 
     def _apply(self, peers: Mapping[str, PeerLoad], count: int,
@@ -269,6 +286,7 @@ class Sharing:
             self.shared = False
             self.metrics.shared.set(0)
             self._peers.clear()
+            self._peers_queue = False
             self._apply({}, 0)
             log.warning("sharing: no exchange with Redis for %.1fs (%s); each replica picks on its own view "
                         "until Redis answers", self.ttl, outcome)

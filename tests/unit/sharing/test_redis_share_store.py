@@ -81,7 +81,7 @@ async def test_a_pick_brings_the_next_exchange_forward_but_never_closer_than_the
     picker.set_endpoints("m", [EP])
     sharing = Sharing(picker, hub.store(), SystemClock(), SharingConfig(interval_ms=2000, ttl_ms=4000, min_gap_ms=50),
                       CollectorRegistry(), replica="a")
-    picker.add_claim_listener(sharing.nudge)
+    picker.add_claim_listener(lambda _endpoint: sharing.nudge())
     sharing.start()
     try:
         await asyncio.wait_for(sharing.first.wait(), 2)

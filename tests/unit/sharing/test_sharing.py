@@ -312,3 +312,46 @@ async def test_a_lost_push_is_filled_by_the_next_exchange(hub: ShareHub, clock: 
     finally:
         listening.cancel()
         await asyncio.gather(listening, return_exceptions=True)
+
+
+async def test_a_pick_is_pushed_at_once_only_where_a_peers_decision_can_turn_on_it(hub: ShareHub,
+                                                                                    clock: FakeClock) -> None:
+    a = Replica("a", hub)
+    a.picker.observe(EP, Sample(waiting=0, running=0, kv=0.0, capacity=1000), clock.monotonic())
+    lease = a.picker.pick("m", cost=100).lease
+    a.sharing.changed(EP)
+    assert not a.sharing._wake.is_set()  # a tenth full: the next interval's exchange tells the peers
+    a.picker.pick("m", cost=450)
+    a.sharing.changed(EP)
+    assert a.sharing._wake.is_set()  # over half full: at once
+    a.sharing._wake.clear()
+    a.sharing._peers_queue = True  # as after a share with queued requests
+    lease.release()
+    a.sharing.changed(EP)
+    assert a.sharing._wake.is_set()
+
+
+async def test_constant_nudges_still_read_every_interval(hub: ShareHub) -> None:
+    a = Replica("a", hub)
+    reads: list[bool] = []
+    store = a.sharing._store
+    real = store.exchange
+
+    async def counting(replica: str, share: bytes, ttl_ms: int, read: bool = True) -> list[tuple[str, float, bytes]]:
+        reads.append(read)
+        return await real(replica, share, ttl_ms, read)
+
+    store.exchange = counting  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    task = asyncio.create_task(a.sharing.run())
+    try:
+        for _ in range(40):  # a change every 10 ms: every wait ends by a nudge
+            a.sharing.nudge()
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    intervals = (loop.time() - began) / a.sharing.interval
+    # A read per interval (the first at once), the rest write-only.
+    assert len(reads) > 2 * intervals and intervals - 1 <= sum(reads) <= intervals + 2
