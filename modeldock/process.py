@@ -1,10 +1,13 @@
-"""Run a long-lived service until SIGINT/SIGTERM, with optional Prometheus metrics."""
+"""Run a long-lived service until SIGINT/SIGTERM, with optional Prometheus metrics; children that die
+with their parent."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -38,3 +41,15 @@ def freeze_startup_objects() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for a child that must not outlive this process: on Linux the kernel sends it `sig`
+    when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG); None elsewhere (no such call)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:  # runs in the child, between fork and exec
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG
+
+    return arm

@@ -10,7 +10,6 @@ supervisor) and Envoy's ext_proc cluster lists all N.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -31,6 +30,7 @@ import yaml
 
 from modeldock.config import Config, ConfigError, hash_key, load_config, parse_config
 from modeldock.envoy import BootstrapOptions, envoy_binary, render_bootstrap
+from modeldock.process import die_with_parent
 from modeldock.types import cluster_name
 
 DEMO_MODEL = "demo-model"
@@ -120,12 +120,6 @@ def sharing_note(workers: int, config: Config, environ: Mapping[str, str]) -> st
             "$REDIS_URL); without one, each sees only its own requests (rate limits, picker load)")
 
 
-def _die_with_parent() -> None:
-    # Linux: deliver SIGTERM to the child if `modeldock up` dies, even by SIGKILL.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def demo_config(api_key: str, endpoints: list[str]) -> dict[str, object]:
     return {
         "tenants": [{"id": "demo", "api_key_hashes": [hash_key(api_key)], "models": ["demo-*"]}],
@@ -153,7 +147,7 @@ class Supervisor:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
             env={**os.environ, **env} if env else None,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent(),  # `modeldock up` killed: its children get SIGTERM
         )
         handle.close()
         child = Child(name, proc, log)

@@ -17,18 +17,18 @@ exits, so start it from the main thread or one that lives as long as the test.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
 from pathlib import Path
 from types import TracebackType
+
+from modeldock.process import die_with_parent
 
 _live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
 
@@ -51,13 +51,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: ask Linux to SIGKILL the server if the test process dies.
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 class RedisServer:
@@ -151,7 +144,7 @@ class RedisServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - tests start servers from the main thread
+            preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 - tests start servers from the main thread
         )
         self._proc = proc
         deadline = time.monotonic() + self.startup_timeout_s

@@ -13,7 +13,6 @@ A child that exits before it ever listened (a taken port, a bad flag) stops them
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from modeldock.clock import Clock, SystemClock
+from modeldock.process import die_with_parent
 
 log = logging.getLogger("modeldock.extproc.workers")
 
@@ -94,12 +94,6 @@ def backoff(failures: int) -> float:
     return float(min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1)))
 
 
-def die_with_parent() -> None:
-    # Linux: the child gets SIGTERM when its parent dies, even by SIGKILL.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Proc(Protocol):
     pid: int
 
@@ -114,7 +108,7 @@ Spawn = Callable[[Sequence[str], Mapping[str, str]], Proc]
 def spawn_child(cmd: Sequence[str], env: Mapping[str, str]) -> Proc:
     # Output goes where ours goes; the child shares our process group, so a terminal's Ctrl-C reaches it too.
     return subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, env={**os.environ, **env},
-                            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+                            preexec_fn=die_with_parent())
 
 
 def listening(host: str, port: int) -> bool:
