@@ -253,7 +253,8 @@ class Ledger:
                           if (at := picked_at.get(seq, now)) > now - RECENT_SECONDS)
             steps = load.steps
             ends = tuple((due - steps, load.leases[seq]) for seq, due in load.due.items())
-            out.append(Holding(ep.address, len(load.leases), load.committed, picks, ends))
+            page_age = now - load.taken_at if load.taken_at > float("-inf") else -1.0
+            out.append(Holding(ep.address, len(load.leases), load.committed, picks, ends, page_age))
         return out
 
     def set_peers(self, peers: Mapping[str, PeerLoad]) -> None:

@@ -29,6 +29,8 @@ class Holding(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     picks: tuple[tuple[float, int, int], ...] = ()
     # (engine steps left, committed tokens) of those that said their output limit (Signals.ends, relative)
     ends: tuple[tuple[float, int], ...] = ()
+    # Seconds since the publisher's last page of the endpoint (its steps left are counted to then); -1: none.
+    page_age: float = -1.0
 
 
 class PeerLoad:
@@ -40,7 +42,9 @@ class PeerLoad:
         self.in_flight = 0
         self.committed = 0
         self.picks: list[tuple[float, int, int]] = []  # (picked at: this replica's monotonic time, tokens, output)
-        self.ends: list[tuple[float, int]] = []  # (steps left when received, tokens)
+        # (steps left when received, tokens, when the publisher's page that counted them was read:
+        # this replica's monotonic time, or -inf unknown)
+        self.ends: list[tuple[float, int, float]] = []
 
     def add(self, holding: Holding, now: float, age: float) -> None:
         """`holding` was published `age` seconds before `now` (this replica's clock)."""
@@ -48,7 +52,8 @@ class PeerLoad:
         self.committed += max(0, holding.committed)
         for since, tokens, output in holding.picks:
             self.picks.append((now - age - max(0.0, since), max(0, tokens), max(0, output)))
-        self.ends.extend((max(0.0, left), max(0, tokens)) for left, tokens in holding.ends)
+        page_at = now - age - holding.page_age if holding.page_age >= 0 else float("-inf")
+        self.ends.extend((max(0.0, left), max(0, tokens), page_at) for left, tokens in holding.ends)
 
     @staticmethod
     def merge(received: Iterable[tuple[float, Iterable[Holding]]], now: float) -> dict[str, PeerLoad]:

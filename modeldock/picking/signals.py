@@ -154,7 +154,7 @@ class Load:
         # sample: the last page and how it is corrected
         "sample", "taken_at", "mark", "whole", "freed", "failures",
         # progress: engine steps and when each request is done
-        "steps", "stepped", "peak", "due", "ends", "running",
+        "steps", "stepped", "step_rate", "peak", "due", "ends", "running",
         # rates: what the pages teach, and the counter readings they are learned from
         "capacity", "block", "speed", "growth", "drain", "limit", "declared", "learned", "counter", "counted_at",
         "generated", "produced",
@@ -184,6 +184,7 @@ class Load:
         # -- progress --
         self.steps = 0.0  # engine steps counted so far (`learn`), a lower bound
         self.stepped = 0.0  # steps between the last two pages, not counted into `steps` yet
+        self.step_rate = 0.0  # steps per second between the last two pages that counted any (0: unknown)
         self.peak = 0  # the most requests in flight here since the last page
         self.due: dict[int, float] = {}  # sequence number -> the step by which it is done (its key in `ends`)
         self.ends: list[tuple[float, int]] = []  # Signals.ends, kept sorted (read only outside)
@@ -291,6 +292,8 @@ class Load:
             # Each running sequence gains at most one token per step: the steps since the last page
             # were at least the tokens produced over the most requests there at once.
             self.stepped = (produced - last) / max(page.running, sample.running, float(self.peak), 1.0)
+            if taken_at > self.taken_at:
+                self.step_rate = self.stepped / (taken_at - self.taken_at)
         if not rates:
             return
         total = sample.tokens_total
@@ -414,7 +417,13 @@ class Load:
             self.peer_in_flight, self.peer_committed = peer.in_flight, peer.committed
             self.peer_picks = tuple(peer.picks)
             steps = self.steps if steps_at is None else steps_at
-            self.peer_ends = tuple((steps + left, tokens) for left, tokens in peer.ends)
+            # A peer counts steps left to its own last page: one read after this replica's saw the
+            # steps between the two go by, which this count has not credited yet (else its requests
+            # would look closer to their end here than they are). One read before: kept as is (later).
+            mine, rate = self.taken_at, self.step_rate
+            known = rate > 0 and mine > float("-inf")
+            self.peer_ends = tuple((steps + left + ((page_at - mine) * rate if known and page_at > mine else 0.0),
+                                    tokens) for left, tokens, page_at in peer.ends)
             for entry in self.peer_ends:
                 insort(ends, entry)
         self._peer_news()

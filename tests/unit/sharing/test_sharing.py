@@ -355,3 +355,26 @@ async def test_constant_nudges_still_read_every_interval(hub: ShareHub) -> None:
     intervals = (loop.time() - began) / a.sharing.interval
     # A read per interval (the first at once), the rest write-only.
     assert len(reads) > 2 * intervals and intervals - 1 <= sum(reads) <= intervals + 2
+
+
+def test_a_peers_steps_left_counted_to_a_later_page_are_moved_to_this_replicas_count(clock: FakeClock) -> None:
+    from modeldock.picking.peers import Holding, PeerLoad
+
+    picker = Picker(clock, fallbacks=0, rng=random.Random(1))
+    picker.set_endpoints("m", [EP])
+    picker.observe(EP, Sample(waiting=0, running=2, kv=0.1, capacity=1000, generated_total=0), clock.monotonic())
+    clock.advance(1.0)
+    picker.observe(EP, Sample(waiting=0, running=2, kv=0.1, capacity=1000, generated_total=40), clock.monotonic())
+    load = picker.load(EP)
+    assert load.step_rate == pytest.approx(20.0)  # 40 tokens over 2 sequences: 20 steps in the second
+    clock.advance(0.5)
+    now = clock.monotonic()
+    # A peer whose page was read 0.5 s after this replica's: 10 steps left then, 20 more here.
+    later, earlier = PeerLoad(), PeerLoad()
+    later.add(Holding(EP.address, 1, 100, (), ((10.0, 100),), page_age=0.0), now, age=0.0)
+    picker.set_peers({EP.address: later})
+    assert [end - load.steps for end, _ in picker.signals(EP).ends] == [pytest.approx(20.0)]
+    # One read before this replica's: kept as published (it looks later than it is: the safe side).
+    earlier.add(Holding(EP.address, 1, 100, (), ((10.0, 100),), page_age=0.8), now, age=0.0)
+    picker.set_peers({EP.address: earlier})
+    assert [end - load.steps for end, _ in picker.signals(EP).ends] == [pytest.approx(10.0)]
