@@ -69,7 +69,8 @@ class Dispatcher:
         self.standing = Standing(clock, config.headroom_window_seconds, config.share_window_seconds)
         self._dispatching = False
         self._again: set[str] = set()
-        self.order = PoolOrder(clock, self.dispatch, call_later=call_later)  # the peers' heads (several replicas)
+        self.order = PoolOrder(clock, self.dispatch, call_later=call_later,  # the peers' heads (several replicas)
+                               backfill_seconds=config.backfill_seconds)
 
     def flows(self) -> tuple[QueuedFlow, ...]:
         """Every model's queued flows here, for the peers (modeldock/sharing)."""
@@ -106,7 +107,8 @@ class Dispatcher:
         # are its own, so it takes one at once rather than queue behind one that may not take it.
         fast = self._prefer_fast(model, tenant, priority, headroom)
         # Nobody waits here, but a peer's head would be served first: wait behind it (pool_order.py).
-        yields = queue is None and self.config.enabled and self.order.ahead(model, tenant, priority, headroom is None)
+        yields = (queue is None and self.config.enabled
+                  and self.order.ahead(model, tenant, priority, headroom is None, request.cost))
         if (queue is None and not yields) or fast:
             try:
                 return self._picked(request, headroom, fast)

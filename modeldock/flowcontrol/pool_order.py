@@ -12,6 +12,9 @@ would serve first:
 - an older head of another tenant in its class, unless this request is protected (under its share:
   the room it takes is owed to it, as in one queue's `dispatch`).
 
+As one queue backfills, a peer head larger than this request (it may not fit where this one does) is
+passed while it has waited less than `queue.backfill_seconds`; past that it is not (no starving).
+
 It yields for at most `hold_seconds` (then takes the room: a peer whose head cannot use it, or that
 did not hear of it, never stalls this queue), and is tried again at that bound. The peer hears of the
 room within a push (the release that made it is pushed to every replica at once), so the room stays
@@ -41,14 +44,20 @@ CallLater = Callable[[float, Callable[[], None]], object]
 
 
 def peer_first(flows: Iterable[QueuedFlow], tenant: str, priority: int, enqueued_at: float,
-               applied_at: float, protected: bool) -> bool:
+               applied_at: float, protected: bool, cost: int = 0, backfill_seconds: float = 0.0,
+               now: float = 0.0) -> bool:
     """Would one queue serve one of these peer flow heads before a request of `tenant` in class
-    `priority` that was queued at `enqueued_at`? (`applied_at`: when the flows' `waited` held.)"""
+    `priority`, of `cost` tokens, that was queued at `enqueued_at`? (`applied_at`: when the flows'
+    `waited` held.) As one queue backfills, a head larger than this request (it may not fit where
+    this one does) is passed while it has waited less than `backfill_seconds` (at `now`)."""
     for flow in flows:
+        head_at = applied_at - flow.waited
+        if flow.head > cost and now - head_at < backfill_seconds:
+            continue  # larger, and not waiting long enough that it must not be passed
         if flow.priority > priority:
             return True
         if flow.priority == priority and (flow.tenant == tenant or not protected):
-            if applied_at - flow.waited < enqueued_at - SLACK_SECONDS:
+            if head_at < enqueued_at - SLACK_SECONDS:
                 return True
     return False
 
@@ -57,13 +66,14 @@ class PoolOrder:
     """The peers' queued flows as this replica last heard them, and the yielding rule above."""
 
     def __init__(self, clock: Clock, retry: Callable[[str], None], *, call_later: CallLater | None = None,
-                 hold_seconds: float = HOLD_SECONDS) -> None:
+                 hold_seconds: float = HOLD_SECONDS, backfill_seconds: float = 0.0) -> None:
         """`retry(model)`: dispatch the model's queue again (a yield's bound passed, or the peers'
         queues changed)."""
         self._clock = clock
         self._retry = retry
         self._call_later = call_later
         self.hold = hold_seconds
+        self.backfill = backfill_seconds  # queue.backfill_seconds: how long a larger head may be passed
         self._flows: Mapping[str, tuple[QueuedFlow, ...]] = {}
         self._applied_at = 0.0
         self._yielding: set[str] = set()  # models with a request that yielded since the last retry
@@ -80,11 +90,12 @@ class PoolOrder:
             for model in models:
                 self._later(0.0, model)
 
-    def ahead(self, model: str, tenant: str, priority: int, protected: bool) -> bool:
+    def ahead(self, model: str, tenant: str, priority: int, protected: bool, cost: int) -> bool:
         """A new request would yield to a peer's head: it joins the queue here."""
         flows = self._flows.get(model)
-        return flows is not None and peer_first(flows, tenant, priority, self._clock.monotonic(),
-                                                self._applied_at, protected)
+        now = self._clock.monotonic()
+        return flows is not None and peer_first(flows, tenant, priority, now, self._applied_at, protected, cost,
+                                                self.backfill, now)
 
     def yields(self, model: str, item: Item[T], protected: bool) -> bool:
         """Leave the room `item` would take to an older peer head (and try it again at the bound)?"""
@@ -95,7 +106,8 @@ class PoolOrder:
         since = item.yielded_at
         if since is not None and now - since >= self.hold:
             return False
-        if not peer_first(flows, item.tenant, item.priority, item.enqueued_at, self._applied_at, protected):
+        if not peer_first(flows, item.tenant, item.priority, item.enqueued_at, self._applied_at, protected,
+                          item.cost, self.backfill, now):
             return False
         if since is None:
             item.yielded_at = since = now

@@ -218,7 +218,7 @@ class FlowQueue(Generic[T]):
             for tenant, items in band.flows.items():
                 if items:
                     out.append(QueuedFlow(self.model, band.priority, tenant, items[0].weight,
-                                          band.queued.get(tenant, 0), now - items[0].enqueued_at))
+                                          band.queued.get(tenant, 0), now - items[0].enqueued_at, items[0].cost))
         return out
 
     def _band(self, priority: int) -> Band[T]:

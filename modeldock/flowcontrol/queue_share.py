@@ -25,6 +25,7 @@ class QueuedFlow(msgspec.Struct, frozen=True, array_like=True):
     # How long its head had waited when the share was built (the transport ages it on to when it
     # applies the share): which replica's head one queue would serve first (pool_order.py).
     waited: float = 0.0
+    head: int = 0  # its head's cost in tokens (0: not said)
 
 
 def peer_ahead(flows: Iterable[QueuedFlow], tenant: str, priority: int, weight: float, own: float) -> float:

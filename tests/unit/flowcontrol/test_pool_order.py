@@ -191,3 +191,11 @@ async def test_a_quiet_tenant_is_not_held_behind_the_floods_older_heads(clock: F
         for task in listeners:
             task.cancel()
         await asyncio.gather(*listeners, return_exceptions=True)
+
+
+def test_a_larger_peer_head_is_passed_while_it_may_be_backfilled_past() -> None:
+    big = QueuedFlow("m", 1, "t", 1.0, 900, waited=0.5, head=900)
+    # A request of 100 queued at 10.0; the peer's head of 900 was queued at 9.5 (applied at 10.0).
+    assert not peer_first([big], "t", 1, 10.0, 10.0, False, cost=100, backfill_seconds=1.0, now=10.0)
+    assert peer_first([big], "t", 1, 10.0, 10.0, False, cost=100, backfill_seconds=1.0, now=10.6)  # waited 1.1 s
+    assert peer_first([big], "t", 1, 10.0, 10.0, False, cost=900, backfill_seconds=1.0, now=10.0)  # no larger
