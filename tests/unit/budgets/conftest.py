@@ -11,12 +11,9 @@ from modeldock.budgets.budgets import TokenBudgets
 from modeldock.clock import FakeClock
 from tests.support.manual_timers import ManualTimers
 from tests.support.redis_server import RedisServer
-
-# One real-Redis fixture for both rooms' tests (budgets sit above request limits, as in modeldock/).
-from tests.unit.admission.conftest import redis_server
 from tests.unit.budgets.budget_helpers import budget_config, budget_tenant, clocked
 
-__all__ = ["Replicas", "clock", "redis_server", "replicas", "timers"]
+__all__ = ["Replicas", "clock", "replicas", "timers"]
 
 
 @pytest.fixture
