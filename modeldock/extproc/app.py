@@ -124,11 +124,13 @@ class ExtProcServer:
         self.registry = registry or CollectorRegistry()
         self.metrics = ExtProcMetrics(self.registry)
         self.picker = build_picker(config.routing, self.clock, self.registry)
-        scrape = config.routing.scrape
-        self.scraper = Scraper(self.picker, self.clock, interval=scrape.interval_seconds,
-                               timeout=scrape.timeout_seconds, budget=scrape.budget_seconds, path=scrape.path,
-                               registry=self.registry, refresh_gap=scrape.refresh_gap_seconds)
+        # An endpoint is read every interval while requests run there or its model queues (here or at a
+        # peer), less often otherwise; a pick there puts it on the busy cadence, an ending reads it again.
+        self.scraper = Scraper.from_config(self.picker, self.clock, config.routing, registry=self.registry,
+                                           queued=lambda: [q.model for q in self.gateway.flow.queues
+                                                           if len(q) or q.peer_flows])
         self.picker.add_release_listener(self.scraper.refresh)
+        self.picker.add_claim_listener(self.scraper.hurry)
         self.xds = AdsClient(
             options.xds_target,
             [cluster_name(m.name) for m in config.models],

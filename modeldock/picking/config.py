@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,16 @@ class ScrapeConfig(_Section):
     # A request ending on an endpoint reads its page again out of turn (the last page still counts
     # the KV it held), at most once per this many seconds per endpoint; 0 turns it off.
     refresh_gap_seconds: Annotated[float, Field(ge=0, le=10)] = 0.05
+    # An endpoint with nothing of this gateway's in flight and no queue for its model is read this
+    # often instead (0: every endpoint every interval). None: derived from the stale cutoff
+    # (`RoutingConfig.idle_interval`). Given, it must keep the sample fresh between two reads.
+    idle_interval_seconds: Annotated[float, Field(ge=0, le=60)] | None = None
+
+
+# How far inside the stale cutoff an idle endpoint's sample stays (the event loop's lag, a slow read).
+IDLE_MARGIN_SECONDS = 0.25
+# The derived idle interval stays below vLLM's keep-alive (uvicorn closes a connection idle for 5 s).
+IDLE_INTERVAL_CAP_SECONDS = 4.0
 
 
 class RoutingConfig(_Section):
@@ -96,3 +106,26 @@ class RoutingConfig(_Section):
     p2c_threshold: Annotated[int, Field(ge=2)] = 32
     saturation: SaturationConfig = SaturationConfig()
     scrape: ScrapeConfig = ScrapeConfig()
+
+    @model_validator(mode="after")
+    def _idle_reads_stay_fresh(self) -> RoutingConfig:
+        idle, scrape = self.scrape.idle_interval_seconds, self.scrape
+        if idle is not None and idle > scrape.interval_seconds and (
+                idle + scrape.timeout_seconds + IDLE_MARGIN_SECONDS > self.stale_after_seconds):
+            raise ValueError(
+                f"scrape.idle_interval_seconds ({idle:g}) + scrape.timeout_seconds ({scrape.timeout_seconds:g}) "
+                f"+ {IDLE_MARGIN_SECONDS:g} s must not exceed stale_after_seconds ({self.stale_after_seconds:g}): "
+                "an idle endpoint's sample would go stale between two reads")
+        return self
+
+    @property
+    def idle_interval(self) -> float:
+        """Seconds between reads of an idle endpoint (at most the interval: adaptive reads are off).
+        Derived unless given: as long as the stale cutoff allows, less one read's timeout and the margin,
+        at most IDLE_INTERVAL_CAP_SECONDS."""
+        scrape = self.scrape
+        idle = scrape.idle_interval_seconds
+        if idle is None:
+            idle = min(IDLE_INTERVAL_CAP_SECONDS,
+                       self.stale_after_seconds - scrape.timeout_seconds - IDLE_MARGIN_SECONDS)
+        return max(scrape.interval_seconds, idle)

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 OUTCOMES = ("picked", "no_endpoints", "saturated")
 PICK_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
+CADENCES = ("busy", "idle")
 ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -95,6 +96,8 @@ class ScrapeMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._errors: Counter | None = None
         self._refreshes: Counter | None = None
+        self._reads: dict[str, Counter] = {}
+        self._unchanged: Counter | None = None
         self.round: _Noop | Histogram = _Noop()
         if registry is None:
             return
@@ -103,12 +106,27 @@ class ScrapeMetrics:
         self._refreshes = Counter("modeldock_scrape_refreshes", "Pages read out of turn after a request ended "
                                   "there, by outcome (ok or why no sample).", ["outcome"], registry=registry)
         self._refreshes.labels(outcome="ok")  # exported from the start, at 0
+        reads = Counter("modeldock_scrape_reads", "Pages read in the rounds, by the endpoint's cadence (busy: "
+                        "this gateway's requests or a queue there; idle: read less often).", ["cadence"],
+                        registry=registry)
+        self._reads = {cadence: reads.labels(cadence=cadence) for cadence in CADENCES}  # children cached
+        self._unchanged = Counter("modeldock_scrape_unchanged", "Reads the server answered 304 Not Modified "
+                                  "(its ETag or Last-Modified): the last page applied again.", registry=registry)
         self.round = Histogram("modeldock_scrape_round_seconds", "Wall time of one scrape round.",
                                buckets=ROUND_BUCKETS, registry=registry)
 
     def error(self, reason: str) -> None:
         if self._errors is not None:
             self._errors.labels(reason=reason).inc()
+
+    def read(self, cadence: str) -> None:
+        counter = self._reads.get(cadence)
+        if counter is not None:
+            counter.inc()
+
+    def unchanged(self) -> None:
+        if self._unchanged is not None:
+            self._unchanged.inc()
 
     def refresh(self, outcome: str) -> None:
         if self._refreshes is not None:

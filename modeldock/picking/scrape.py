@@ -1,19 +1,26 @@
-"""Scrape every endpoint's /metrics on an interval and feed the samples to the picker.
+"""Read every endpoint's /metrics and feed the samples to the picker.
 
-Each round fetches all current endpoints concurrently (one shared keep-alive
-session), each within `timeout`, the whole round within `budget`. Only once
-every fetch has finished or been cut off are the results applied, in one
-synchronous loop: no network I/O happens while the picker's state is touched.
-A failed fetch changes nothing but a failure count: the old sample just ages.
-KV capacity (`cache_config_info`) is read on an endpoint's first pages until
-found, then once every `capacity_every` rounds: it never changes while the
-server runs, and skipping it keeps the usual parse to the load series.
+Each endpoint has its own next read (cadence.py): every `interval` while this gateway has
+requests there or its model has a queue waiting, every `idle_interval` otherwise, sooner after
+a pick there (`hurry`, the picker's claim listener). The loop wakes when the earliest is due
+and reads, as one round, every endpoint due by then: concurrently over one keep-alive session,
+the round within `timeout` (and `budget`). Only once every fetch of the round has
+finished or been cut off are its results applied, in one synchronous loop: no network I/O
+happens while the picker's state is touched. Rounds may overlap (a hung endpoint does not hold
+the others back), an endpoint is never read twice at once. A failed fetch changes nothing but a
+failure count (the old sample just ages) and is retried at the busy cadence.
+KV capacity (`cache_config_info`) is read on an endpoint's first pages until found, then once
+every `capacity_every` reads of it: it never changes while the server runs, and skipping it
+keeps the usual parse to the load series.
 
-`refresh(endpoint)` reads one endpoint's page out of turn, when a request there
-ended (`Picker.add_release_listener`): the last page still counts what it held,
-so until the next round the endpoint looks fuller than it is (with a queue
-waiting for room, that is throughput lost). At most one such read per endpoint
-at a time, and none within `refresh_gap` seconds of the last read started.
+`refresh(endpoint)` reads one endpoint's page out of turn, when a request there ended
+(`Picker.add_release_listener`): the last page still counts what it held, so until the next
+round the endpoint looks fuller than it is (with a queue waiting for room, that is throughput
+lost). Not within `refresh_gap` seconds of the endpoint's last read, nor while one is running.
+
+Pages come over kept-alive connections, one per endpoint (pages.py).
+A page whose server sends an ETag or Last-Modified is asked for again conditionally; a 304
+applies the last sample anew (vLLM's prometheus_client sends neither: every read is a 200).
 """
 
 from __future__ import annotations
@@ -21,20 +28,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-import aiohttp
 from prometheus_client import CollectorRegistry
 
 from modeldock.clock import Clock
+from modeldock.picking.cadence import Cadence
+from modeldock.picking.config import RoutingConfig
 from modeldock.picking.metrics import ScrapeMetrics
+from modeldock.picking.pages import Page, PageClient, PageError
 from modeldock.picking.parse import parse_metrics
 from modeldock.picking.signals import Sample
 from modeldock.types import Endpoint
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ScrapeSink(Protocol):
@@ -48,6 +58,12 @@ class ScrapeSink(Protocol):
     def observe_failure(self, endpoint: Endpoint) -> None: ...
 
     def in_flight(self, endpoint: Endpoint) -> int: ...
+
+    def endpoints(self, model: str) -> Sequence[Endpoint]: ...
+
+
+class Parser(Protocol):
+    def __call__(self, text: str, model: str | None, *, capacity: bool = False) -> Sample | None: ...
 
 
 @dataclass(frozen=True)
@@ -65,10 +81,27 @@ class _Fetched:
     reason: str | None  # why there is no sample
 
 
+@dataclass(frozen=True)
+class _Validator:
+    """What a server said to ask again with: the page it answered then, for a 304."""
+
+    model: str | None
+    headers: dict[str, str]
+    sample: Sample
+
+
 class Scraper:
-    """Usage: `scraper = Scraper(picker, clock); scraper.start()` inside the
-    event loop, `await scraper.stop()` on shutdown (or `async with scraper:`).
-    Endpoints come from `picker.scrape_targets()` at the start of each round."""
+    """Usage: `scraper = Scraper(picker, clock); scraper.start()` inside the event loop,
+    `await scraper.stop()` on shutdown (or `async with scraper:`). Endpoints come from
+    `picker.scrape_targets()` at every wake.
+
+    idle_interval: seconds between reads of an endpoint with nothing of this gateway's in flight
+      and no queue for its model (None: every endpoint every `interval`);
+    queued: the models with requests waiting in the gateway's queue now (their endpoints are read
+      at the busy cadence);
+    scrapes: which endpoints this process reads (default all; the others are left alone, e.g.
+      to a replica that shares what it read);
+    parser: `parse_metrics` unless given (the benchmark's before passes a whole-page parse)."""
 
     def __init__(
         self,
@@ -80,32 +113,49 @@ class Scraper:
         budget: float = 2.0,
         path: str = "/metrics",
         max_bytes: int = 8 * 1024 * 1024,
-        session: aiohttp.ClientSession | None = None,
         registry: CollectorRegistry | None = None,
         capacity_every: int = 120,
         refresh_gap: float = 0.0,
+        idle_interval: float | None = None,
+        queued: Callable[[], Iterable[str]] | None = None,
+        scrapes: Callable[[Endpoint], bool] | None = None,
+        parser: Parser = parse_metrics,
     ) -> None:
         if interval <= 0 or timeout <= 0 or budget <= 0:
             raise ValueError("interval, timeout and budget must be > 0")
         self._sink = sink
         self._clock = clock
-        self._interval = interval
+        self._cadence = Cadence(interval, idle_interval)
         self._timeout = min(timeout, budget)
         self._budget = budget
-        self._path = path if path.startswith("/") else "/" + path
-        self._max_bytes = max_bytes
-        self._session = session
-        self._owns_session = session is None
+        self._client = PageClient(path, max_bytes)
         self._metrics = ScrapeMetrics(registry)
+        self._queued = queued
+        self._scrapes = scrapes
+        self._parse = parser
         self._task: asyncio.Task[None] | None = None
-        self._round = 0
+        self._wake = asyncio.Event()
+        self._wake_at = float("inf")  # when the sleeping loop wakes by itself (clock time)
         self._capacity_every = max(1, capacity_every)
-        self._capacity_read: dict[Endpoint, int] = {}  # endpoint -> round its capacity was last read
+        self._reads: dict[Endpoint, int] = {}  # scheduled reads of each endpoint so far
+        self._capacity_read: dict[Endpoint, int] = {}  # endpoint -> its read that last found the capacity
         self._refresh_gap = refresh_gap  # 0: no reads out of turn
-        self._targets: dict[Endpoint, str | None] = {}  # the last round's
-        self._read_at: dict[Endpoint, float] = {}  # loop time the last read of each started
-        self._refreshing: set[Endpoint] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._targets: dict[Endpoint, str | None] = {}  # as last read
+        self._synced_at = float("-inf")  # clock time they were read
+        self._read_at: dict[Endpoint, float] = {}  # clock time the last read of each started
+        self._reading: set[Endpoint] = set()  # a read of it is under way
+        self._validators: dict[Endpoint, _Validator] = {}
+        self._queued_now: frozenset[Endpoint] = frozenset()  # endpoints of queued models, as of the last wake
+        self._tasks: set[asyncio.Task[object]] = set()
+
+    @classmethod
+    def from_config(cls, sink: ScrapeSink, clock: Clock, routing: RoutingConfig, *,
+                    registry: CollectorRegistry | None = None,
+                    queued: Callable[[], Iterable[str]] | None = None) -> Scraper:
+        scrape = routing.scrape
+        return cls(sink, clock, interval=scrape.interval_seconds, timeout=scrape.timeout_seconds,
+                   budget=scrape.budget_seconds, path=scrape.path, registry=registry,
+                   refresh_gap=scrape.refresh_gap_seconds, idle_interval=routing.idle_interval, queued=queued)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -120,9 +170,7 @@ class Scraper:
             running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await running
-        if self._owns_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._client.close()
 
     async def __aenter__(self) -> Scraper:
         self.start()
@@ -132,49 +180,143 @@ class Scraper:
         await self.stop()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
             try:
-                await self.scrape_once()
-            except Exception:  # a bug in one round must not end scraping for good
+                due = self._due()
+                if due:
+                    self._spawn(self._round(due), "modeldock-scrape-round")
+            except Exception:  # a bug in one wake must not end scraping for good
                 log.exception("scrape round failed")
-            await asyncio.sleep(max(0.0, self._interval - (loop.time() - started)))
+            await self._sleep()
 
-    # -- one round -------------------------------------------------------
+    async def _sleep(self) -> None:
+        now = self._clock.monotonic()
+        at = self._cadence.next_due()
+        # Wake at least every interval: new endpoints get their first read within it.
+        delay = self._cadence.interval if at is None else min(self._cadence.interval, max(0.001, at - now))
+        self._wake.clear()
+        self._wake_at = now + delay
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._wake.wait()
+        self._wake_at = float("-inf")  # awake: a hurry needs no wake-up
+
+    def _spawn(self, work: Coroutine[object, object, object], name: str) -> None:
+        task: asyncio.Task[object] = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- what to read ----------------------------------------------------
+
+    def _sync(self, fresh: bool = False) -> dict[Endpoint, str | None]:
+        """Follow the targets (read again once an interval has passed, or when `fresh`: building
+        them is O(endpoints) and wakes come several times an interval); put the endpoints of
+        queued models on the busy cadence."""
+        now = self._clock.monotonic()
+        targets = self._targets
+        if fresh or now - self._synced_at >= self._cadence.interval:
+            self._synced_at = now
+            targets = self._read_targets()
+        if targets is not self._targets:
+            self._cadence.sync(targets, now)
+            _forget(self._reads, targets)
+            _forget(self._capacity_read, targets)
+            _forget(self._read_at, targets)
+            self._client.forget(targets)
+            _forget(self._validators, targets)
+            self._targets = targets
+        queued: set[Endpoint] = set()
+        if self._queued is not None:
+            for model in self._queued():
+                queued.update(ep for ep in self._sink.endpoints(model) if ep in targets)
+        for ep in queued:
+            self._cadence.hurry(ep)
+        self._queued_now = frozenset(queued)
+        return targets
+
+    def _read_targets(self) -> dict[Endpoint, str | None]:
+        """The sink's targets this process reads; the last ones (the same object) when unchanged."""
+        targets = dict(self._sink.scrape_targets())
+        if self._scrapes is not None:
+            targets = {ep: model for ep, model in targets.items() if self._scrapes(ep)}
+        return self._targets if targets == self._targets else targets
+
+    def _due(self) -> dict[Endpoint, str | None]:
+        targets = self._sync()
+        now = self._clock.monotonic()
+        due: dict[Endpoint, str | None] = {}
+        for ep in self._cadence.due(now):
+            if ep in self._reading:  # read out of turn right now: that read stands for this one
+                self._cadence.started(ep, now, busy=True)
+            else:
+                due[ep] = targets[ep]
+        return due
+
+    @property
+    def reading(self) -> frozenset[Endpoint]:
+        """The endpoints whose page is being read now (a round's or out of turn)."""
+        return frozenset(self._reading)
+
+    def due_at(self, endpoint: Endpoint) -> float | None:
+        """When `endpoint`'s next scheduled read is due (clock time; None: not a target yet)."""
+        return self._cadence.due_at(endpoint)
+
+    def hurry(self, endpoint: Endpoint) -> None:
+        """Put `endpoint` on the busy cadence now (a pick there: its page is read `interval` after
+        its last read, at once if that is past). Synchronous and cheap: the picker's claim
+        listener calls it on every pick."""
+        at = self._cadence.hurry(endpoint)
+        if at is not None and at < self._wake_at:
+            self._wake.set()
+
+    # -- rounds ----------------------------------------------------------
 
     async def scrape_once(self) -> RoundResult:
-        """Scrape every current target once and apply the results."""
-        targets = dict(self._sink.scrape_targets())
+        """Read every current target once and apply the results."""
+        return await self._round(self._sync(fresh=True))
+
+    async def scrape_due(self) -> RoundResult:
+        """Read the endpoints due now (by the injected clock) and apply the results: one step of the
+        background loop, for a caller that drives the clock itself."""
+        return await self._round(self._due())
+
+    async def _round(self, targets: dict[Endpoint, str | None]) -> RoundResult:
         if not targets:
             return RoundResult()
-        self._round += 1
-        for gone in self._capacity_read.keys() - targets.keys():
-            del self._capacity_read[gone]
-        for gone in self._read_at.keys() - targets.keys():
-            del self._read_at[gone]
-        self._targets = targets
+        queued = self._queued_now
+        now = self._clock.monotonic()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for ep in targets:
-            self._read_at[ep] = started
-        session = self._ensure_session()
-        tasks = {ep: asyncio.create_task(self._fetch(session, ep, model)) for ep, model in targets.items()}
-        _, pending = await asyncio.wait(tasks.values(), timeout=self._budget)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=0.1)  # let cancelled requests unwind their connections
+        tasks: dict[Endpoint, asyncio.Task[_Fetched]] = {}
+        for ep, model in targets.items():
+            busy = ep in queued or self._sink.in_flight(ep) > 0
+            self._cadence.started(ep, now, busy)
+            self._metrics.read("busy" if busy or not self._cadence.adaptive else "idle")
+            self._read_at[ep] = now
+            self._reads[ep] = reads = self._reads.get(ep, 0) + 1
+            self._reading.add(ep)
+            tasks[ep] = asyncio.create_task(self._fetch(ep, model, reads))
+        try:
+            # Every read of the round started now: one wait bounds each (no timer per read).
+            _, pending = await asyncio.wait(tasks.values(), timeout=self._timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=0.1)  # let cancelled requests unwind their connections
+        finally:
+            self._reading.difference_update(tasks)
         result = RoundResult(seconds=loop.time() - started)
         # Apply everything in one synchronous step.
+        cut = "timeout" if self._timeout < self._budget else "budget"
         for ep, task in tasks.items():
-            fetched = _outcome(task)
+            fetched = _outcome(task, cut)
             if fetched.sample is not None:
                 self._sink.observe(ep, fetched.sample, fetched.taken_at, fetched.in_flight_at)
                 result.samples[ep] = fetched.sample
             else:
                 reason = fetched.reason or "unknown"
                 self._sink.observe_failure(ep)
+                self._cadence.failed(ep)
                 self._metrics.error(reason)
                 result.failures[ep] = reason
         self._metrics.round.observe(result.seconds)
@@ -183,88 +325,90 @@ class Scraper:
     def refresh(self, endpoint: Endpoint) -> None:
         """Read `endpoint`'s page now (see the module doc); only schedules the read, so it may be
         called from the ledger's release path. Nothing while stopped or off, for an endpoint the
-        last round did not list, or within the gap of its last read."""
-        if self._refresh_gap <= 0 or self._task is None or endpoint in self._refreshing:
+        last wake did not list, or within the gap of its last read."""
+        if self._refresh_gap <= 0 or self._task is None or endpoint in self._reading:
             return
         if endpoint not in self._targets:
             return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._clock.monotonic()
         if now - self._read_at.get(endpoint, float("-inf")) < self._refresh_gap:
             return
         self._read_at[endpoint] = now
-        self._refreshing.add(endpoint)
-        task = loop.create_task(self._refresh(endpoint, self._targets[endpoint]), name="modeldock-refresh")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._reading.add(endpoint)
+        self._spawn(self._refresh(endpoint, self._targets[endpoint]), "modeldock-refresh")
 
     async def _refresh(self, endpoint: Endpoint, model: str | None) -> None:
         try:
-            fetched = await self._fetch(self._ensure_session(), endpoint, model)
+            async with asyncio.timeout(self._timeout):
+                fetched = await self._fetch(endpoint, model, self._reads.get(endpoint, 0))
+        except TimeoutError:
+            fetched = _failed("timeout")
         except Exception:  # never let one read end in an unretrieved task exception
             log.exception("scrape of %s failed", endpoint.address)
             return
         finally:
-            self._refreshing.discard(endpoint)
+            self._reading.discard(endpoint)
         self._metrics.refresh(fetched.reason or "ok")
         if fetched.sample is not None:  # a failure only ages the last sample; the rounds count it
             self._sink.observe(endpoint, fetched.sample, fetched.taken_at, fetched.in_flight_at, out_of_turn=True)
 
-    def _ensure_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
-            self._owns_session = True
-        return self._session
+    # -- one read --------------------------------------------------------
 
-    async def _fetch(self, session: aiohttp.ClientSession, endpoint: Endpoint, model: str | None) -> _Fetched:
-        url = f"http://{endpoint.address}{self._path}"
+    async def _fetch(self, endpoint: Endpoint, model: str | None, reads: int) -> _Fetched:
+        read = self._capacity_read.get(endpoint)
+        want_capacity = read is None or reads - read >= self._capacity_every
+        validator = self._validators.get(endpoint)
+        if validator is not None and validator.model != model:
+            validator = None
         try:
-            async with asyncio.timeout(self._timeout):
-                async with session.get(url) as response:
-                    if response.status != 200:
-                        return _failed("http_status")
-                    body = await self._read(response)
-        except TimeoutError:
-            return _failed("timeout")
-        except (aiohttp.ClientError, OSError) as exc:
-            log.debug("scrape %s failed: %s", url, exc)
-            return _failed("connect")
-        if body is None:
-            return _failed("too_large")
+            page = await self._client.get(endpoint, validator.headers if validator else None)
+        except PageError as exc:
+            return _failed(exc.reason)
         # The page reflects the requests we had sent by now; picks made while the
         # rest of the round finishes must still count as corrections on top of it.
         taken_at = self._clock.monotonic()
         in_flight_at = self._sink.in_flight(endpoint)
-        read = self._capacity_read.get(endpoint)
-        want_capacity = read is None or self._round - read >= self._capacity_every
-        sample = parse_metrics(body.decode("utf-8", "replace"), model, capacity=want_capacity)
-        if sample is None:
-            return _failed("no_series")
+        if page.status == 304 and validator is not None:
+            self._metrics.unchanged()
+            sample: Sample | None = validator.sample
+        elif page.status != 200:
+            return _failed("http_status")
+        else:
+            sample = self._parse(page.body.decode("utf-8", "replace"), model, capacity=want_capacity)
+            if sample is None:
+                return _failed("no_series")
+            headers = _validator_headers(page)
+            if headers:
+                self._validators[endpoint] = _Validator(model, headers, sample)
+            elif validator is not None:
+                del self._validators[endpoint]
+        assert sample is not None
         if sample.capacity is not None:
-            self._capacity_read[endpoint] = self._round
+            self._capacity_read[endpoint] = reads
         return _Fetched(sample, taken_at, in_flight_at, None)
 
-    async def _read(self, response: aiohttp.ClientResponse) -> bytes | None:
-        if response.content_length is not None and response.content_length > self._max_bytes:
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.content.iter_chunked(64 * 1024):
-            size += len(chunk)
-            if size > self._max_bytes:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+def _forget(table: dict[Endpoint, T], keep: Mapping[Endpoint, object]) -> None:
+    for gone in table.keys() - keep.keys():
+        del table[gone]
+
+
+def _validator_headers(page: Page) -> dict[str, str]:
+    headers = {}
+    if page.etag:
+        headers["If-None-Match"] = page.etag
+    if page.last_modified:
+        headers["If-Modified-Since"] = page.last_modified
+    return headers
 
 
 def _failed(reason: str) -> _Fetched:
     return _Fetched(None, 0.0, 0, reason)
 
 
-def _outcome(task: asyncio.Task[_Fetched]) -> _Fetched:
+def _outcome(task: asyncio.Task[_Fetched], cut: str) -> _Fetched:
     if not task.done() or task.cancelled():
-        return _failed("budget")
+        return _failed(cut)
     exc = task.exception()
     if exc is not None:
         log.warning("scrape task failed unexpectedly: %r", exc)
