@@ -2,21 +2,26 @@
 tokens check with the request's output limit known (the growth bound, `saturation.held_tokens`) against
 unknown (the committed tokens alone), side by side; and that bound against the step-by-step one
 (`saturation.fits_as_they_finish`) by requests on the endpoint; and prompt blocks + pick with prefix
-affinity, before prefix homes against with them (`prefix_rows`).
+affinity, before prefix homes against with them (`prefix_rows`). With `--scale`: pick latency and the
+picker's memory per endpoint at 10, 100 and 1,000 endpoints of one model (`scale_section`).
 
     .venv/bin/python -m benchmarks.picking            # prints
     .venv/bin/python -m benchmarks.picking --write    # also writes the `picking-room` section of docs/benchmarks.md
+    .venv/bin/python -m benchmarks.picking --scale [--write]   # only the scale rows (section `picking-scale`)
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import time
+import tracemalloc
 
 from benchmarks._report import table, write_section
 from modeldock.clock import SystemClock
 from modeldock.picking.ledger import Lease
+from modeldock.picking.picker import Picker
 from modeldock.types import Endpoint
 from tests.support.vllm_page import vllm_metrics_page
 
@@ -191,7 +196,108 @@ def room_section(rounds: int = 3) -> str:
     )
 
 
+SCALE_SIZES = (10, 100, 1000)
+
+
+def _scaled_picker(endpoints: int) -> tuple[Picker, list[Lease]]:
+    """A picker as `build_picker` makes it from the default config (saturation by room, p2c above 32,
+    prefix affinity on), `endpoints` endpoints of one model, each with two pages (capacity and speed
+    known) and 64 requests in flight over the pool."""
+    from modeldock.picking.config import RoutingConfig
+    from modeldock.picking.factory import build_picker
+    from modeldock.picking.signals import Sample
+
+    clock = SystemClock()
+    picker = build_picker(RoutingConfig(), clock, None, rng=random.Random(1))
+    eps = [Endpoint(f"10.{i // 62500}.{i // 250 % 250}.{i % 250 + 1}", 8000) for i in range(endpoints)]
+    picker.set_endpoints("m", eps)
+    now = clock.monotonic()
+    for i, ep in enumerate(eps):
+        for at, total in ((now - 1.0, 0.0), (now, 5000.0)):
+            picker.observe(ep, Sample(waiting=0, running=2 + i % 3, kv=0.1 * (i % 5), capacity=10.0**9,
+                                      tokens_total=total, generated_total=total / 2), at)
+    leases = [picker.pick("m", cost=300, output=32).lease for _ in range(64)]
+    return picker, leases
+
+
+def time_scaled_pick(endpoints: int, rounds: int = 20000, prefixes: bool = False) -> float:
+    """Mean µs for one pick plus one release on `_scaled_picker(endpoints)` (64 in flight throughout);
+    `prefixes`: each request with prompt blocks nobody has seen (so the prefix's home is computed over the pool)."""
+    from modeldock.picking.prefix import prompt_blocks
+
+    picker, leases = _scaled_picker(endpoints)
+    pick = picker.pick
+    system = "You answer from the attached document only, citing it. " * 10
+    blocks = [prompt_blocks({"model": "m", "messages": [{"role": "system", "content": f"{i} {system}"}]})
+              if prefixes else () for i in range(rounds)]
+    start = time.perf_counter()
+    for prefix in blocks:
+        leases.append(pick("m", prefix, cost=300, output=32).lease)
+        leases.pop(0).release()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
+def picker_bytes(endpoints: int) -> int:
+    """Bytes the picker of `_scaled_picker(endpoints)` holds (tracemalloc: what building it and 2,000 picks left
+    allocated), including its leases."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    picker, leases = _scaled_picker(endpoints)
+    pick = picker.pick
+    for _ in range(2000):
+        leases.append(pick("m", cost=300, output=32).lease)
+        leases.pop(0).release()
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    del picker, leases
+    return held
+
+
+def scale_section(rounds: int = 5) -> str:
+    times: dict[tuple[int, bool], list[float]] = {(n, p): [] for n in SCALE_SIZES for p in (False, True)}
+    for r in range(rounds):  # alternating, reversed every other round; best of: noise only adds
+        for n in (SCALE_SIZES if r % 2 == 0 else SCALE_SIZES[::-1]):
+            for prefixes in (False, True):
+                times[(n, prefixes)].append(time_scaled_pick(n, 5000 if prefixes else 20000, prefixes))
+    memory = {n: picker_bytes(n) for n in SCALE_SIZES}
+    base = {p: min(times[(SCALE_SIZES[0], p)]) for p in (False, True)}
+    rows: list[list[object]] = []
+    for n in SCALE_SIZES:
+        best, cold = min(times[(n, False)]), min(times[(n, True)])
+        marginal = "-" if n == SCALE_SIZES[0] else (
+            f"{(memory[n] - memory[SCALE_SIZES[0]]) / (n - SCALE_SIZES[0]) / 1024:.1f}")
+        rows.append([f"{n:,}", "all" if n <= 32 else "p2c", f"{best:.1f}", f"{best / base[False]:.2f}x",
+                     f"{cold:.1f}", f"{cold / base[True]:.2f}x",
+                     f"{memory[n] / 1024:.0f}", f"{memory[n] / n / 1024:.1f}", marginal])
+    return (
+        "One model's endpoints, the picker `build_picker` makes from the default config (saturation by room, "
+        "power of two choices above `p2c_threshold` 32, prefix affinity on, no prompt blocks), every endpoint "
+        "with two pages (KV capacity and speed known) and 64 requests in flight: µs per pick + release, best of "
+        f"{rounds} alternating rounds of 20,000 (5,000 with a new prompt prefix each: its home, by rendezvous "
+        "hashing, is computed over every endpoint of the model), and what the picker holds (tracemalloc, after "
+        "2,000 picks; the marginal KiB per endpoint is over the 10-endpoint picker).\n\n"
+        + table(["endpoints", "scored", "pick + release µs", "vs 10", "new prefix µs", "vs 10", "picker KiB",
+                 "KiB per endpoint", "marginal KiB per endpoint"], rows)
+        + f"\n\nReading: above 32 endpoints power of two choices scores `fallbacks + 2` candidates whatever the "
+        f"pool, so a pick at {SCALE_SIZES[-1]:,} costs {rows[-1][3]} of one at 10 (fewer than 10 scored). A prompt "
+        f"whose beginning nobody has seen costs {rows[-1][5]}: its home (`prefix.home_index`) is the highest "
+        "rendezvous weight over every endpoint of the model, one multiplication each (O(endpoints), the price of "
+        "every replica choosing the same home); a recurring prefix is decided by the table and costs as a pick. "
+        f"Memory grows by about {rows[-1][8]} KiB per endpoint (its `Load`, its samples' state, the prefix "
+        "multipliers): a 1,000-endpoint model holds under 2 MiB."
+    )
+
+
 def main() -> None:
+    if "--scale" in sys.argv[1:]:
+        body = scale_section()
+        print(body)
+        if "--write" in sys.argv[1:]:
+            write_section("picking-scale", "Picking at 1,000 endpoints per model: latency and memory",
+                          ".venv/bin/python -m benchmarks.picking --scale --write", body)
+        return
     page = vllm_metrics_page()
     print(f"page: {len(page.encode()) / 1024:.1f} KiB, {page.count(chr(10))} lines")
     print(f"parse_metrics: {time_parse(page):.1f} µs/page")
