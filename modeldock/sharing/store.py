@@ -122,7 +122,7 @@ class RedisShareStore:
                 if bar:
                     yield peer.decode(errors="replace"), share
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()
 
     async def close(self) -> None:
         await self._client.aclose()
