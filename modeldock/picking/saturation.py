@@ -163,6 +163,7 @@ class Saturation:
         if self.room:
             limit = s.limit
             capacity = s.capacity
+            known = capacity > 0  # the margins below may use it all up: then there is no room
             if headroom > 0:
                 if headroom_tokens is None and capacity > 0:
                     # The capacity's share of the kept slots; a batch limit not learned yet (the
@@ -178,7 +179,7 @@ class Saturation:
                 # The cache is paged: each sequence's last block is part empty (up to block - 1
                 # tokens more than the tokens counted, the new one's too).
                 capacity -= (s.block - 1) * (_sequences(s) + 1)
-            if (s.in_flight and capacity > 0 and held_tokens(s, output) + cost > capacity
+            if (s.in_flight and known and held_tokens(s, output) + cost > capacity
                     and (output is None or not fits_as_they_finish(s, cost, output, capacity))):
                 return True
             if s.fresh:
