@@ -31,7 +31,7 @@ class DiscoverySource(Protocol):
 
 
 def kube_watch_timeout(stale_after: float) -> int:
-    """A quiet, healthy Service is confirmed when its watch times out cleanly:
+    """A quiet, healthy namespace is confirmed when its watch times out cleanly:
     renew it well within the staleness cutoff (a third of it, at least 1 s)."""
     return max(1, int(stale_after / 3))
 

@@ -13,6 +13,7 @@ official `kubernetes` client can list and watch EndpointSlices against it:
         server.stop(); server.start()   # connections refused, then back on the same port
         server.requests                 # every request seen (RequestRecord.is_watch)
         server.open_watches             # watch connections open now
+        server.connections              # connections accepted so far
 
 It runs its own event loop in a daemon thread on a free loopback port, so it
 serves both the test's worker threads and other processes (through the
@@ -160,6 +161,7 @@ class RequestRecord:
     headers: dict[str, str]
     status: int | None = None
     sent: list[str] = field(default_factory=list)
+    connection: int = 0  # which connection it came on: 1, 2, ... in the order they were accepted
 
     @property
     def is_watch(self) -> bool:
@@ -251,6 +253,7 @@ class FakeKubeServer:
         self._call(self._running.set)
         self._log_lock = threading.Lock()
         self._requests: list[RequestRecord] = []
+        self._connections = 0
         self.start()
 
     # ---- lifecycle -------------------------------------------------------
@@ -303,6 +306,11 @@ class FakeKubeServer:
     def requests(self) -> list[RequestRecord]:
         with self._log_lock:
             return list(self._requests)
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far (a keep-alive client reuses one for many requests)."""
+        return self._call(lambda: self._connections)
 
     @property
     def open_watches(self) -> int:
@@ -438,10 +446,13 @@ class FakeKubeServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        self._connections += 1
+        connection = self._connections
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 record = _parse_head(head)
+                record.connection = connection
                 with self._log_lock:
                     self._requests.append(record)
                 await self._running.wait()

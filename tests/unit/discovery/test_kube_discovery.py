@@ -35,7 +35,8 @@ async def test_initial_list(kube: FakeKubeServer, kube_client: Client, store: Sn
         await wait_endpoints(store, "m", eps("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"))
     lists = [r for r in kube.requests if not r.is_watch]
     assert lists[0].path == "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
-    assert lists[0].params == {"labelSelector": "kubernetes.io/service-name=vllm"}
+    # One list of the namespace: every slice that belongs to a Service, none that belongs to none.
+    assert lists[0].params == {"labelSelector": "kubernetes.io/service-name"}
 
 
 async def test_empty_service_is_published_as_empty(
@@ -90,7 +91,7 @@ async def test_label_leaving_the_service_removes_the_slice(
         await wait_endpoints(store, "m", ())
 
 
-async def test_ipv6_and_port_by_name_and_number_share_one_watch(
+async def test_ipv6_and_port_by_name_and_number_and_other_services_share_one_watch(
     kube: FakeKubeServer, kube_client: Client, store: SnapshotStore
 ) -> None:
     v6 = make_slice("vllm-v6", "llm", "vllm", [("fd00:0:0:0::1", True, False)], "http", 8000, address_type="IPv6")
@@ -104,7 +105,7 @@ async def test_ipv6_and_port_by_name_and_number_share_one_watch(
         kube_model("other-service", service="other"),
     ]
     discovery = discovery_for(models, store, kube_client)
-    assert discovery.services == [("llm", "other"), ("llm", "vllm")]
+    assert discovery.namespaces == ["llm"]
     async with running(discovery):
         await wait_endpoints(store, "by-name", eps("[fd00::1]:8000", "10.0.0.1:8000"))
         await wait_endpoints(store, "by-number", eps("[fd00::1]:9090"))
@@ -114,9 +115,9 @@ async def test_ipv6_and_port_by_name_and_number_share_one_watch(
             make_slice("vllm-v4", "llm", "vllm", [("10.0.0.1", True, False), ("10.0.0.2", True, False)], "http", 8000)
         )
         await wait_endpoints(store, "by-name", eps("[fd00::1]:8000", "10.0.0.1:8000", "10.0.0.2:8000"))
-        assert len(discovery.threads) == 2
-    selectors = sorted(r.params["labelSelector"] for r in kube.requests if r.is_watch)
-    assert selectors == ["kubernetes.io/service-name=other", "kubernetes.io/service-name=vllm"]
+        assert len(discovery.threads) == 1
+        assert kube.open_watches == 1
+    assert [r.params["labelSelector"] for r in kube.requests if r.is_watch] == ["kubernetes.io/service-name"]
 
 
 async def test_merge_and_deduplicate_across_slices(
@@ -238,6 +239,7 @@ async def test_api_server_gone_then_back(
         )
         kube.send_bookmark()
         await wait_until(lambda: "watching again" in caplog.text, what="the recovery log")
+    assert sum(not r.is_watch for r in kube.requests) == 1, "the watch resumed: nothing was downloaded again"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, "one warning per failure streak, not one per retry"
     assert "list/watch failed" in warnings[0].getMessage()
@@ -253,11 +255,13 @@ async def test_api_server_hanging_then_back(kube: FakeKubeServer, kube_client: C
         await wait_until(lambda: any(r.is_watch for r in kube.requests), what="a watch")
         kube.pause()
         kube.apply(make_slice("vllm-a", "llm", "vllm", [("10.0.0.2", True, False)], "http", 8000))
-        # The silent watch hits its read timeout (1 + 0.3 s) and the re-list hangs too.
-        await wait_until(lambda: sum(not r.is_watch for r in kube.requests) >= 2, what="a re-list")
+        # The silent watch hits its read timeout (1 + 0.3 s) and the resumed watch hangs too.
+        await wait_until(lambda: sum(r.is_watch for r in kube.requests) >= 2, what="a resumed watch")
         assert store.current.endpoints("m") == eps("10.0.0.1:8000")
         kube.resume()
         await wait_endpoints(store, "m", eps("10.0.0.2:8000"))
+    lists = [r for r in kube.requests if not r.is_watch]
+    assert len(lists) == 1, "a hung watch is resumed from its resourceVersion, not re-listed"
 
 
 async def test_cancel_stops_a_watching_thread_promptly(
@@ -265,11 +269,14 @@ async def test_cancel_stops_a_watching_thread_promptly(
 ) -> None:
     kube.apply(make_slice("vllm-a", "llm", "vllm", [("10.0.0.1", True, False)], "http", 8000))
     discovery = discovery_for(
-        [kube_model("m"), kube_model("n", service="other")], store, kube_client, watch_timeout_seconds=60
+        [kube_model("m"), kube_model("n", service="other", namespace="elsewhere")],
+        store,
+        kube_client,
+        watch_timeout_seconds=60,
     )
     task = asyncio.create_task(discovery.run())
     await wait_endpoints(store, "m", eps("10.0.0.1:8000"))
-    await wait_until(lambda: sum(r.is_watch for r in kube.requests) == 2, what="both watches")
+    await wait_until(lambda: kube.open_watches == 2, what="both namespaces' watches")
     started = time.monotonic()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

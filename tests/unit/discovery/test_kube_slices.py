@@ -7,7 +7,6 @@ from typing import Any
 from kubernetes.client import V1EndpointSlice
 
 from modeldock.discovery.kube_slices import merge_endpoints, slice_endpoints
-from modeldock.discovery.kube_watch import apply_event
 from modeldock.types import Endpoint
 from tests.support.fake_kube import make_slice, validate
 
@@ -100,17 +99,3 @@ def test_merge_keeps_an_address_ready_in_another_slice() -> None:
     first = model(make_slice("s1", "llm", "vllm", [("10.0.0.1", False, False)], "http", 8000))
     second = model(make_slice("s2", "llm", "vllm", [("10.0.0.1", True, False)], "http", 8000))
     assert merge_endpoints([first, second], "http") == {Endpoint("10.0.0.1", 8000)}
-
-
-def test_apply_event_tracks_slices_by_name() -> None:
-    slices: dict[str, V1EndpointSlice] = {}
-    first = one([("10.0.0.1", True, False)])
-    assert apply_event(slices, "ADDED", first)
-    changed = one([("10.0.0.9", True, False)])
-    assert apply_event(slices, "MODIFIED", changed)
-    assert slices == {"s1": changed}
-    assert apply_event(slices, "BOOKMARK", {"metadata": {"resourceVersion": "7"}})
-    assert slices == {"s1": changed}
-    assert apply_event(slices, "DELETED", changed)
-    assert slices == {}
-    assert not apply_event(slices, "SOMETHING-NEW", changed)
