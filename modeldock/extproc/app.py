@@ -34,7 +34,7 @@ from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.redis_client import make_redis_client
 from modeldock.sharing.store import RedisShareStore
 from modeldock.sharing.sync import Sharing, SharingMetrics
-from modeldock.types import cluster_name
+from modeldock.types import Endpoint, cluster_name
 from modeldock.usage.log import UsageLog
 from modeldock.xds.client import AdsClient
 
@@ -154,7 +154,7 @@ class ExtProcServer:
         self.metrics.streams.set_function(lambda: self.servicer.open_streams)
         self.metrics.in_flight.set_function(lambda: self.picker.total_in_flight())
         self.metrics.pending_settlements.set_function(lambda: self.lifecycle.pending())
-        self.sharing = _sharing(config, self.picker, self.gateway.flow, self.clock, self.registry)
+        self.sharing = _sharing(config, self.picker, self.scraper, self.gateway.flow, self.clock, self.registry)
         if self.sharing is None:
             SharingMetrics(self.registry)  # exported all the same: `modeldock_sharing_shared 0` says it is off
         self._server: grpc.aio.Server | None = None
@@ -258,7 +258,7 @@ class ExtProcServer:
         self.usage.close()  # after draining: every settled request's record is written
 
 
-def _sharing(config: Config, picker: Picker, flow: Dispatcher, clock: Clock,
+def _sharing(config: Config, picker: Picker, scraper: Scraper, flow: Dispatcher, clock: Clock,
              registry: CollectorRegistry) -> Sharing | None:
     """The shared load state (modeldock/sharing): on by default when a Redis is configured."""
     url = config.limits.redis_url
@@ -271,13 +271,40 @@ def _sharing(config: Config, picker: Picker, flow: Dispatcher, clock: Clock,
     # No socket timeout on either (every exchange is bounded by asyncio.timeout in Sharing, and a
     # subscription idles): redis-py would wrap every send in a task of its own.
     store = RedisShareStore(make_redis_client(url, timeout, batch=True), make_redis_client(url, timeout, batch=True))
+    split = config.sharing.split_scraping
     sharing = Sharing(picker, store, clock, config.sharing, registry, standing=flow.standing,
-                      queues=flow)
+                      queues=flow, pages=picker if split else None)
     picker.add_claim_listener(sharing.changed)  # pushed at once where a peer's decision can turn on it
     picker.add_release_listener(sharing.changed)
+    if split:
+        _split_scraping(config, picker, scraper, sharing)
     log.info("sharing load state with the other replicas through Redis as %s (every %d ms, forgotten after %d ms)",
              sharing.replica, config.sharing.interval_ms, config.sharing.ttl_ms)
     return sharing
+
+
+def _split_scraping(config: Config, picker: Picker, scraper: Scraper, sharing: Sharing) -> None:
+    """Each endpoint read by its owner (sharing/split.py), its pages relayed (picking/relay.py).
+
+    A replica reads an endpoint it does not own when no page of it arrived for longer than the
+    owner's idle cadence allows (the owner died, lags, or has not got the endpoint yet): a late
+    relay costs a read, never a stale sample for long. Peers' requests there count as busy."""
+    routing, scrape = config.routing, config.routing.scrape
+    relay = 2 * config.sharing.interval_ms / 1000.0  # into the owner's next share, then to each peer
+    # The idle cadence's bound (picking/config.py) with the relay inside it: a relayed page lands
+    # before the stale cutoff too.
+    idle = min(routing.idle_interval, routing.stale_after_seconds - scrape.timeout_seconds - relay - 0.05)
+    late = idle + scrape.timeout_seconds + relay
+
+    def scrapes(ep: Endpoint) -> bool:
+        return sharing.split.owns(ep.address) or picker.sample_age(ep) > late
+
+    def busy(ep: Endpoint) -> bool:
+        peers = picker.peers(ep)
+        return peers is not None and peers.in_flight > 0
+
+    scraper.share(scrapes, busy, idle)
+    picker.add_peer_claim_listener(scraper.hurry)  # a peer's pick there: read it at the busy cadence
 
 
 async def serve(config: Config, options: ExtProcOptions, metrics_port: int | None, grace: float) -> None:

@@ -82,10 +82,12 @@ class Ledger:
         self._limits: dict[str, int] = {}  # model -> its backends' declared batch limit (max_num_seqs)
         self._declared: dict[Endpoint, int] = {}  # endpoint -> the largest declared limit of its models
         self.live: frozenset[Endpoint] = frozenset()
+        self._by_address: dict[str, Endpoint] = {}  # of `live`
         self.loads: dict[Endpoint, Load] = {}  # read directly by the scheduler's hot loop; never written there
         self._listeners: list[Callable[[str], None]] = []
         self._release_listeners: list[Callable[[Endpoint], None]] = []
         self._claim_listeners: list[Callable[[Endpoint], None]] = []
+        self._peer_claim_listeners: list[Callable[[Endpoint], None]] = []
         self._picked_at: dict[int, float] = {}  # sequence number -> when claimed (the holdings' pick ages)
         self._peers: dict[Endpoint, PeerLoad] = {}  # the other replicas' holdings (`set_peers`)
 
@@ -105,6 +107,11 @@ class Ledger:
         """`listener(endpoint)`: a request was counted there (a pick, or a move's new endpoint). Called synchronously
         from the claim: it must not raise and should only schedule work (the peers' exchange, sooner)."""
         self._claim_listeners.append(listener)
+
+    def add_peer_claim_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """`listener(endpoint)`: the peers hold more requests there than before (`set_peers`): the
+        scraper puts it on the busy cadence, as after a pick here."""
+        self._peer_claim_listeners.append(listener)
 
     def room(self, model: str) -> None:
         for listener in self._listeners:
@@ -127,6 +134,8 @@ class Ledger:
             self._limits.pop(model, None)
         before = self.live
         self.live = frozenset(ep for eps in self._endpoints.values() for ep in eps)
+        if self.live != before:
+            self._by_address = {ep.address: ep for ep in self.live}
         for ep in [ep for ep, load in self.loads.items() if ep not in self.live and load.in_flight == 0]:
             del self.loads[ep]
         declared: dict[Endpoint, int] = {}
@@ -260,7 +269,7 @@ class Ledger:
     def set_peers(self, peers: Mapping[str, PeerLoad]) -> None:
         """The other replicas' holdings by address (empty: none, or no shared view: the local view).
         Where they hold less than before, room may have appeared: the room listeners hear it."""
-        by_address = {ep.address: ep for ep in self.live}
+        by_address = self._by_address
         now_peers: dict[Endpoint, PeerLoad] = {}
         for address, peer in peers.items():
             ep = by_address.get(address)
@@ -271,8 +280,17 @@ class Ledger:
             after = now_peers.get(ep)
             if after is None or after.in_flight < before.in_flight or after.committed < before.committed:
                 freed.add(ep)
+        if self._peer_claim_listeners:
+            for ep, grown in now_peers.items():
+                held = self._peers.get(ep)
+                if grown.in_flight > (held.in_flight if held is not None else 0):
+                    for listener in self._peer_claim_listeners:
+                        listener(ep)
+        # Only where the peers held or hold something: every other load has no peer part to change
+        # (O(the peers' endpoints) per exchange, not O(the pool)).
+        touched = self._peers.keys() | now_peers.keys()
         self._peers = now_peers
-        for ep in set(self.loads) | set(now_peers):
+        for ep in touched:
             load = self.loads.get(ep)
             if load is None:
                 load = self.loads[ep] = self._new_load(ep)  # takes its peer in _new_load
@@ -282,6 +300,18 @@ class Ledger:
             for model, members in self._members.items():
                 if not freed.isdisjoint(members):
                     self.room(model)
+
+    def by_address(self) -> Mapping[str, Endpoint]:
+        """The live endpoints by `ip:port` (how peers name them)."""
+        return self._by_address
+
+    def in_flight_before(self, endpoint: Endpoint, at: float) -> int:
+        """This replica's requests on `endpoint` now that were picked by `at` (a page read then shows them)."""
+        load = self.loads.get(endpoint)
+        if load is None:
+            return 0
+        picked_at = self._picked_at
+        return sum(1 for seq in load.leases if picked_at.get(seq, at) <= at)
 
     def peers(self, endpoint: Endpoint) -> PeerLoad | None:
         """The other replicas' holdings on `endpoint` (None: none known)."""

@@ -13,7 +13,7 @@ endpoint. The Scraper feeds samples in through `observe`.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -26,6 +26,7 @@ from modeldock.picking.metrics import PickerMetrics
 from modeldock.picking.peers import Holding, PeerLoad
 from modeldock.picking.policies import Weighted, make_policy
 from modeldock.picking.registry import ScorerOptions, build_scorers
+from modeldock.picking.relay import PageRelay, PeerPage
 from modeldock.picking.saturation import Saturation
 from modeldock.picking.scheduler import NEAR_TIE, Scheduler
 from modeldock.picking.scorers import PickRequest, RequestScorer, Scorer
@@ -108,6 +109,8 @@ class Picker:
             raise ValueError("prefix_weight must be >= 0")
         self._fallbacks = fallbacks
         self._ledger = Ledger(clock, stale_after)
+        self._clock = clock
+        self._relay = PageRelay()  # own reads for the peers, and theirs applied here (relay.py)
         # Without a weight for it, prefix affinity is off: the config gives its default.
         merged = {"prefix": 0.0, **(weights or {})}
         if prefix_weight is not None:
@@ -151,7 +154,10 @@ class Picker:
         """Replace a model's candidates. `served_name` is the name the backend
         reports in its metrics' model_name label (default: `model`); `max_num_seqs`
         its backends' batch limit when the config declares it (else learned)."""
+        before = self._ledger.live
         self._scheduler.forget(self._ledger.set_endpoints(model, endpoints, served_name, max_num_seqs))
+        if self._ledger.live is not before:
+            self._relay.forget(self._ledger.live)
 
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
         return self._ledger.endpoints(model)
@@ -167,6 +173,33 @@ class Picker:
         outside the scraper's rounds (`Scraper.refresh`): rates and the batch limit are
         learned from the rounds' pages only."""
         self._ledger.observe(endpoint, sample, taken_at, in_flight_at, out_of_turn)
+        load = self._ledger.loads.get(endpoint)
+        if load is not None and load.taken_at == taken_at:
+            self._relay.record(endpoint, sample, taken_at, load.capacity, load.block, not out_of_turn)
+
+    def pages(self, window: float = 5.0) -> tuple[PeerPage, ...]:
+        """This replica's own reads of the last `window` seconds, the latest of each endpoint, for its
+        peers (modeldock/sharing)."""
+        return self._relay.pages(self._clock.monotonic(), window)
+
+    def take_pages(self, reader: str, pages: Iterable[PeerPage], age: float) -> int:
+        """Apply a peer's (`reader`'s) pages, its share `age` seconds old: each as if read here when
+        `reader` read it, showing the requests picked here by then. Returns how many were new."""
+        now = self._clock.monotonic()
+        by_address = self._ledger.by_address()
+        taken = 0
+        for page in pages:
+            ep = by_address.get(page.address)
+            if ep is None or not self._relay.fresh(ep, reader, page.seq):
+                continue
+            at = now - max(0.0, age) - max(0.0, page.age)
+            self._ledger.observe(ep, page.sample(), at, self._ledger.in_flight_before(ep, at), not page.rates)
+            taken += 1
+        return taken
+
+    def sample_age(self, endpoint: Endpoint) -> float:
+        """Seconds since `endpoint`'s last page, read here or relayed (inf: none)."""
+        return self._clock.monotonic() - self._ledger.load(endpoint).taken_at
 
     def observe_failure(self, endpoint: Endpoint) -> None:
         """A failed scrape: the old sample stays and ages towards stale."""
@@ -228,6 +261,10 @@ class Picker:
 
     def peers(self, endpoint: Endpoint) -> PeerLoad | None:
         return self._ledger.peers(endpoint)
+
+    def add_peer_claim_listener(self, listener: Callable[[Endpoint], None]) -> None:
+        """`listener(endpoint)` when the peers' holdings there grew (`set_peers`): the scraper's hurry."""
+        self._ledger.add_peer_claim_listener(listener)
 
     def add_claim_listener(self, listener: Callable[[Endpoint], None]) -> None:
         """`listener(endpoint)` after every claim (pick or move), synchronously: the sharing loop's nudge."""

@@ -93,14 +93,15 @@ class _Validator:
 class Scraper:
     """Usage: `scraper = Scraper(picker, clock); scraper.start()` inside the event loop,
     `await scraper.stop()` on shutdown (or `async with scraper:`). Endpoints come from
-    `picker.scrape_targets()` at every wake.
+    `picker.scrape_targets()`, read again once an interval (and by every `scrape_once`).
 
     idle_interval: seconds between reads of an endpoint with nothing of this gateway's in flight
       and no queue for its model (None: every endpoint every `interval`);
     queued: the models with requests waiting in the gateway's queue now (their endpoints are read
       at the busy cadence);
-    scrapes: which endpoints this process reads (default all; the others are left alone, e.g.
-      to a replica that shares what it read);
+    scrapes: which endpoints this process reads on the cadence (default all; the others are left
+      to a replica that shares what it read: `share`); reads out of turn are for every endpoint;
+    busy: also on the busy cadence where this says so (the peers hold requests there);
     parser: `parse_metrics` unless given (the benchmark's before passes a whole-page parse)."""
 
     def __init__(
@@ -119,6 +120,7 @@ class Scraper:
         idle_interval: float | None = None,
         queued: Callable[[], Iterable[str]] | None = None,
         scrapes: Callable[[Endpoint], bool] | None = None,
+        busy: Callable[[Endpoint], bool] | None = None,
         parser: Parser = parse_metrics,
     ) -> None:
         if interval <= 0 or timeout <= 0 or budget <= 0:
@@ -132,6 +134,7 @@ class Scraper:
         self._metrics = ScrapeMetrics(registry)
         self._queued = queued
         self._scrapes = scrapes
+        self._busy = busy
         self._parse = parser
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -140,7 +143,8 @@ class Scraper:
         self._reads: dict[Endpoint, int] = {}  # scheduled reads of each endpoint so far
         self._capacity_read: dict[Endpoint, int] = {}  # endpoint -> its read that last found the capacity
         self._refresh_gap = refresh_gap  # 0: no reads out of turn
-        self._targets: dict[Endpoint, str | None] = {}  # as last read
+        self._targets: dict[Endpoint, str | None] = {}  # as last read, the ones this process reads
+        self._every: dict[Endpoint, str | None] = {}  # as last read, all of them (reads out of turn)
         self._synced_at = float("-inf")  # clock time they were read
         self._read_at: dict[Endpoint, float] = {}  # clock time the last read of each started
         self._reading: set[Endpoint] = set()  # a read of it is under way
@@ -219,11 +223,12 @@ class Scraper:
             targets = self._read_targets()
         if targets is not self._targets:
             self._cadence.sync(targets, now)
-            _forget(self._reads, targets)
-            _forget(self._capacity_read, targets)
-            _forget(self._read_at, targets)
-            self._client.forget(targets)
-            _forget(self._validators, targets)
+            every = self._every  # what a read out of turn may still use
+            _forget(self._reads, every)
+            _forget(self._capacity_read, every)
+            _forget(self._read_at, every)
+            self._client.forget(every)
+            _forget(self._validators, every)
             self._targets = targets
         queued: set[Endpoint] = set()
         if self._queued is not None:
@@ -234,9 +239,19 @@ class Scraper:
         self._queued_now = frozenset(queued)
         return targets
 
+    def share(self, scrapes: Callable[[Endpoint], bool], busy: Callable[[Endpoint], bool],
+              idle_interval: float | None = None) -> None:
+        """From now on read only where `scrapes` says (checked once an interval), and count `busy`
+        endpoints as busy: the replicas split the endpoints and relay their pages (modeldock/sharing).
+        `idle_interval`: a shorter idle cadence, so a relayed page still lands within the stale cutoff."""
+        self._scrapes, self._busy = scrapes, busy
+        if idle_interval is not None:
+            self._cadence.idle_interval = max(self._cadence.interval, min(self._cadence.idle_interval, idle_interval))
+        self._synced_at = float("-inf")
+
     def _read_targets(self) -> dict[Endpoint, str | None]:
         """The sink's targets this process reads; the last ones (the same object) when unchanged."""
-        targets = dict(self._sink.scrape_targets())
+        targets = self._every = dict(self._sink.scrape_targets())
         if self._scrapes is not None:
             targets = {ep: model for ep, model in targets.items() if self._scrapes(ep)}
         return self._targets if targets == self._targets else targets
@@ -289,7 +304,7 @@ class Scraper:
         started = loop.time()
         tasks: dict[Endpoint, asyncio.Task[_Fetched]] = {}
         for ep, model in targets.items():
-            busy = ep in queued or self._sink.in_flight(ep) > 0
+            busy = ep in queued or self._sink.in_flight(ep) > 0 or (self._busy is not None and self._busy(ep))
             self._cadence.started(ep, now, busy)
             self._metrics.read("busy" if busy or not self._cadence.adaptive else "idle")
             self._read_at[ep] = now
@@ -328,14 +343,14 @@ class Scraper:
         last wake did not list, or within the gap of its last read."""
         if self._refresh_gap <= 0 or self._task is None or endpoint in self._reading:
             return
-        if endpoint not in self._targets:
+        if endpoint not in self._every:
             return
         now = self._clock.monotonic()
         if now - self._read_at.get(endpoint, float("-inf")) < self._refresh_gap:
             return
         self._read_at[endpoint] = now
         self._reading.add(endpoint)
-        self._spawn(self._refresh(endpoint, self._targets[endpoint]), "modeldock-refresh")
+        self._spawn(self._refresh(endpoint, self._every[endpoint]), "modeldock-refresh")
 
     async def _refresh(self, endpoint: Endpoint, model: str | None) -> None:
         try:

@@ -31,6 +31,9 @@ class SharingConfig(BaseModel):
     ttl_ms: Annotated[int, Field(ge=200, le=30_000)] = 2000
     # One exchange's bound: a slower Redis counts as a failed exchange.
     timeout_ms: Annotated[int, Field(ge=1, le=2000)] = 100
+    # Each endpoint's page is read on the cadence by one replica (rendezvous over the live ones) and
+    # relayed to the others in its share: N replicas cost one replica's scraping. false: each reads all.
+    split_scraping: bool = True
     # This replica's name among its peers; default $MODELDOCK_REPLICA, else host name and process id.
     replica: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
 

@@ -7,6 +7,7 @@ import msgspec
 from modeldock.flowcontrol.queue_share import QueuedFlow
 from modeldock.flowcontrol.standing_share import ModelStanding
 from modeldock.picking.peers import Holding
+from modeldock.picking.relay import PeerPage
 
 MAX_PAYLOAD_BYTES = 4 * 1024 * 1024  # a peer's share larger than this is refused, not decoded
 
@@ -20,6 +21,7 @@ class ReplicaShare(msgspec.Struct, frozen=True):
     holdings: tuple[Holding, ...] = ()
     standing: tuple[ModelStanding, ...] = ()  # its tenants' and classes' standing (flowcontrol/standing.py)
     queued: tuple[QueuedFlow, ...] = ()  # what waits in its queues (flowcontrol/queue_share.py)
+    pages: tuple[PeerPage, ...] = ()  # its latest own read of each endpoint (picking/relay.py)
     # Which share is newer: the exchange's reply and a push travel on two connections, so a peer's
     # share may arrive twice, out of order. `epoch` is random per process (a restart under the same
     # name starts over), `seq` counts up. 0: a replica that does not number its shares (always taken).

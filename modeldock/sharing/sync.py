@@ -31,13 +31,17 @@ from modeldock.clock import Clock
 from modeldock.flowcontrol.queue_share import QueuedFlow
 from modeldock.flowcontrol.standing_share import ModelStanding
 from modeldock.picking.peers import Holding, PeerLoad
+from modeldock.picking.relay import PeerPage
 from modeldock.redis_client import LogThrottle, RedisUnavailable
 from modeldock.sharing.config import SharingConfig
 from modeldock.sharing.records import ReplicaShare, decode, encode
+from modeldock.sharing.split import ScrapeSplit
 from modeldock.sharing.store import ShareStore
 from modeldock.types import Endpoint
 
 log = logging.getLogger("modeldock.sharing")
+
+PAGE_WINDOW_EXCHANGES = 3  # a page read here is in this many intervals' shares
 
 
 class LoadBoard(Protocol):
@@ -48,6 +52,14 @@ class LoadBoard(Protocol):
     def set_peers(self, peers: Mapping[str, PeerLoad]) -> None: ...
 
     def fullness(self, endpoint: Endpoint) -> float: ...
+
+
+class PageBoard(Protocol):
+    """What the picker gives and takes of the pages read (`Picker.pages`, `Picker.take_pages`)."""
+
+    def pages(self, window: float = ...) -> tuple[PeerPage, ...]: ...
+
+    def take_pages(self, reader: str, pages: Iterable[PeerPage], age: float) -> int: ...
 
 
 class StandingBoard(Protocol):
@@ -88,6 +100,8 @@ class SharingMetrics:
                                     registry=registry)
         self.pushes = Counter("modeldock_sharing_pushes", "Peer shares taken in as they were written "
                               "(between this replica's own exchanges)", registry=registry)
+        self.pages = Counter("modeldock_sharing_pages", "Endpoint pages a peer read, taken in here instead "
+                             "of reading them (picking/relay.py)", registry=registry)
         self.age = Gauge("modeldock_sharing_view_age_seconds", "Seconds since the last good exchange "
                          "(how stale the peers' holdings may be)", registry=registry)
 
@@ -106,8 +120,10 @@ class _Peer:
 class Sharing:
     def __init__(self, board: LoadBoard, store: ShareStore, clock: Clock, config: SharingConfig,
                  registry: CollectorRegistry | None = None, replica: str | None = None,
-                 standing: StandingBoard | None = None, queues: QueueBoard | None = None) -> None:
+                 standing: StandingBoard | None = None, queues: QueueBoard | None = None,
+                 pages: PageBoard | None = None) -> None:
         self._board = board
+        self._pages = pages
         self._standing = standing
         self._queues = queues
         self._store = store
@@ -132,6 +148,8 @@ class Sharing:
         self._epoch = int.from_bytes(os.urandom(6), "big")  # this process's shares, numbered by _seq
         self._seq = 0
         self.metrics.age.set_function(self._age)
+        # Which endpoints this replica reads (split.py); every one while not shared.
+        self.split = ScrapeSplit(self.replica)
 
     def _age(self) -> float:
         return -1.0 if self.last_ok is None else self._clock.monotonic() - self.last_ok
@@ -179,8 +197,12 @@ class Sharing:
         self._seq += 1
         standing = self._standing.share() if self._standing is not None else ()
         flows = self._queues.flows() if self._queues is not None else ()
+        # Each page rides in the shares of PAGE_WINDOW_EXCHANGES intervals: a peer that reads every
+        # interval (and takes every push) gets it more than once; one that misses them all covers the
+        # endpoint itself once its page is late (extproc/app.py).
+        pages = self._pages.pages(self.interval * PAGE_WINDOW_EXCHANGES) if self._pages is not None else ()
         share = encode(ReplicaShare(holdings=tuple(self._board.holdings()), standing=standing, queued=flows,
-                                    epoch=self._epoch, seq=self._seq))
+                                    pages=pages, epoch=self._epoch, seq=self._seq))
         started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.timeout):
@@ -256,6 +278,8 @@ class Sharing:
         if held is not None and not share.newer_than(held.share):
             return False  # the push of this share or a newer one came first
         self._peers[name] = _Peer(share, now, age)
+        if self._pages is not None and share.pages:
+            self.metrics.pages.inc(self._pages.take_pages(name, share.pages, age))
         return True
 
     def _rebuild(self, now: float) -> None:
@@ -274,6 +298,7 @@ class Sharing:
         if self._queues is not None:
             self._queues.apply_peer_flows(queued)
         self._board.set_peers(peers)
+        self.split.set_peers(self._peers)
         self.metrics.peers.set(count)
         self.metrics.peer_in_flight.set(sum(p.in_flight for p in peers.values()))
         self.metrics.peer_committed.set(sum(p.committed for p in peers.values()))
