@@ -160,7 +160,7 @@ class Load:
         "generated", "produced",
         # peers: the other replicas' requests here (peers.py; set by `set_peer`, 0 with no peers)
         "peer_in_flight", "peer_committed", "peer_picks", "peer_ends", "peer_new", "peer_new_tokens",
-        "peer_new_outputs",
+        "peer_new_outputs", "peer_hidden",
     )
 
     def __init__(self) -> None:
@@ -208,6 +208,7 @@ class Load:
         self.peer_picks: tuple[tuple[float, int, int], ...] = ()  # (picked at, tokens, output), recent ones
         self.peer_ends: tuple[tuple[float, int], ...] = ()  # their entries in `ends`, on this step count
         self.peer_new = 0  # of their picks, those after the sample (not in it yet), and their tokens
+        self.peer_hidden = 0  # picked before the sample, but missing from it (on their way): `_hidden`
         self.peer_new_tokens = 0
         self.peer_new_outputs = 0
 
@@ -375,6 +376,7 @@ class Load:
             # Which finished since the page is not known: no KV credit for them (conservative).
             self.mark, self.new, self.gone, self.new_tokens, self.gone_tokens = mark, 0, -extra, 0, 0
             self.new_outputs = 0
+        self._hidden()  # against this page's new and gone
         self._count_steps()
 
     def _count_steps(self) -> None:
@@ -438,6 +440,21 @@ class Load:
                 tokens += cost
                 outputs += output
         self.peer_new, self.peer_new_tokens, self.peer_new_outputs = new, tokens, outputs
+        self._hidden()
+
+    def _hidden(self) -> None:
+        """Requests of the pool picked before the sample that it does not show: sent just before the
+        page was read and not arrived yet, one replica's hiding another's (each replica alone sees
+        the page show as many as it sent). Counted as new, as this replica's own unseen ones are
+        (`rebase`): else a peer's request on its way reads as a free slot. What this replica
+        expects shown stays the same across its picks and releases (a pick adds to `new`, a
+        release of a shown one to `gone`), so only a page or the peers change it."""
+        sample = self.sample
+        if sample is None or not self.peer_in_flight:
+            self.peer_hidden = 0
+            return
+        expected = len(self.leases) - self.new + self.gone + self.peer_in_flight - self.peer_new
+        self.peer_hidden = max(0, expected - int(sample.running + sample.waiting))
 
     def signals(self, now: float, stale_after: float) -> Signals:
         sample = self.sample
@@ -452,7 +469,7 @@ class Load:
             return _build(Signals, (False, sample, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0,
                                     in_flight, committed, new_tokens, new_outputs, self.steps, ends,
                                     self.capacity, self.block, self.speed, self.growth, self.limit))
-        waiting, running = correct(sample, self.new + self.peer_new, self.gone)
+        waiting, running = correct(sample, self.new + self.peer_new + self.peer_hidden, self.gone)
         backlog = sample.waiting - self.gone if self.gone else sample.waiting
         return _build(Signals, (True, sample, waiting, running, sample.kv, backlog if backlog > 0 else 0.0,
                                 self.gone_tokens, self.freed, now - self.taken_at,

@@ -378,3 +378,21 @@ def test_a_peers_steps_left_counted_to_a_later_page_are_moved_to_this_replicas_c
     earlier.add(Holding(EP.address, 1, 100, (), ((10.0, 100),), page_age=0.8), now, age=0.0)
     picker.set_peers({EP.address: earlier})
     assert [end - load.steps for end, _ in picker.signals(EP).ends] == [pytest.approx(10.0)]
+
+
+async def test_a_peers_request_on_its_way_when_the_page_was_read_still_counts(hub: ShareHub,
+                                                                             clock: FakeClock) -> None:
+    a, b = Replica("a", hub), Replica("b", hub)
+    a.picker.pick("m", cost=100, output=10)
+    a.picker.pick("m", cost=100, output=10)
+    clock.advance(0.01)
+    # Read just after a sent both: one has not reached the backend yet, so the page shows one.
+    b.picker.observe(EP, Sample(waiting=0, running=1, kv=0.1), clock.monotonic())
+    await a.sharing.exchange()
+    await b.sharing.exchange()
+    s = b.picker.signals(EP)
+    assert s.in_flight == 2
+    assert (s.running, s.waiting) == (1, 1)  # the one the page missed is queued, not a free slot
+    b.picker.observe(EP, Sample(waiting=0, running=2, kv=0.2), clock.monotonic())  # it arrived
+    s = b.picker.signals(EP)
+    assert (s.running, s.waiting) == (2, 0)  # counted once
