@@ -57,6 +57,11 @@ class _TypeState:
     # A wildcard subscription gets an answer even when it is empty, so that
     # Envoy's initial fetch completes.
     owes_answer: bool = False
+    # The serial of the set last compared in full against `known` (None: compare all next time),
+    # and the names this stream must look at again since (subscribed again). A NACKed name needs
+    # no mark: only a version changed since, so one in the cache's log, is sent again.
+    checked: int | None = None
+    dirty: set[str] = field(default_factory=set)
 
     def wants(self, name: str) -> bool:
         return self.wildcard or name in self.names
@@ -131,9 +136,11 @@ class DeltaStream(StreamBase):
         added = set(names)
         if WILDCARD in added:
             state.wildcard = True
+            state.checked = None  # every name is wanted now
             added.discard(WILDCARD)
         if added:
             state.names = state.names | added
+            state.dirty.update(added)
         for name in added:
             state.known.pop(name, None)  # an explicit subscribe asks for the resource again, even if held
 
@@ -152,6 +159,7 @@ class DeltaStream(StreamBase):
                 # Still wanted through the wildcard, but the client may have dropped
                 # it: mark unknown so it is sent again (or removed, if gone).
                 state.known[name] = UNKNOWN
+                state.dirty.add(name)
         for name in [n for n in state.known if not state.wants(n)]:
             del state.known[name]  # the client forgets these itself: no removal is owed
 
@@ -160,14 +168,29 @@ class DeltaStream(StreamBase):
     def _maybe_send(self, type_url: str, state: _TypeState) -> list[discovery_pb2.DeltaDiscoveryResponse]:
         if state.pending is not None:
             return []  # wait for the ACK; on_request re-evaluates then
+        current = self._cache.current
         # Memoized per ResourceSet: every stream with this subscription shares it.
-        selected, system_version = self._cache.current.select(
-            type_url, None if state.wildcard else state.names)
-        updates = [
-            r for name, r in selected.items()
-            if state.known.get(name) != r.version and state.rejected.get(name) != r.version
-        ]
-        removed = [name for name in state.known if name not in selected]
+        selected, system_version = current.select(type_url, None if state.wildcard else state.names)
+        # What to compare: since the set last compared, only the names the cache logged as
+        # changed and those this stream touched (O(changes)); everything when that is unknown.
+        changed = None if state.checked is None else self._cache.changed_since(type_url, state.checked)
+        if changed is None:
+            updates = [
+                r for name, r in selected.items()
+                if state.known.get(name) != r.version and state.rejected.get(name) != r.version
+            ]
+            removed = [name for name in state.known if name not in selected]
+        else:
+            updates, removed = [], []
+            for name in changed | state.dirty if state.dirty else changed:
+                r = selected.get(name)
+                if r is None:
+                    if name in state.known:
+                        removed.append(name)
+                elif state.known.get(name) != r.version and state.rejected.get(name) != r.version:
+                    updates.append(r)
+        state.checked = current.serial
+        state.dirty.clear()
         if not updates and not removed and not state.owes_answer:
             return []
         state.owes_answer = False
