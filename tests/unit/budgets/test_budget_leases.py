@@ -186,7 +186,7 @@ async def test_an_expired_lease_is_not_drawn_from_while_redis_is_down(
     redis_server: RedisServer, clock: FakeClock, leased: Leased,
 ) -> None:
     t = budget_tenant(tpm=BIG)
-    budgets = leased(timeout_ms=200)
+    budgets = leased(timeout_ms=1000)
     await budgets.reserve(t, "m", 100, "a")  # a lease of 200
     redis_server.stop()
     clock.advance(1.0)
@@ -200,7 +200,7 @@ async def test_a_lease_serves_while_redis_is_down_until_its_top_up_fails(
     redis_server: RedisServer, leased: Leased,
 ) -> None:
     t = budget_tenant(tpm=BIG)
-    budgets = leased(timeout_ms=200)
+    budgets = leased(timeout_ms=1000)
     await budgets.reserve(t, "m", 100, "a")  # a lease of 200
     redis_server.stop()
     await budgets.reserve(t, "m", 50, "b")  # drawn, no Redis involved; its top-up starts
@@ -216,7 +216,7 @@ async def test_fail_open_admits_on_the_local_windows_when_a_miss_fails(
     redis_server: RedisServer, leased: Leased,
 ) -> None:
     t = budget_tenant(tpm=300)
-    budgets = leased(300, fail_open=True, timeout_ms=200)
+    budgets = leased(300, fail_open=True, timeout_ms=1000)
     redis_server.stop()
     r = await budgets.reserve(t, "m", 200, "a")
     assert budgets.fail_open_passes == 1 and budgets._leases.held() == 0
