@@ -131,6 +131,7 @@ class ExtProcServer:
                                                            if len(q) or q.peer_flows])
         self.picker.add_release_listener(self.scraper.refresh)
         self.picker.add_claim_listener(self.scraper.hurry)
+        self.picker.add_target_listener(self.scraper.targets_changed)
         self.xds = AdsClient(
             options.xds_target,
             [cluster_name(m.name) for m in config.models],

@@ -110,6 +110,7 @@ class Picker:
         self._fallbacks = fallbacks
         self._ledger = Ledger(clock, stale_after)
         self._clock = clock
+        self._target_listeners: list[Callable[[], None]] = []
         self._relay = PageRelay()  # own reads for the peers, and theirs applied here (relay.py)
         # Without a weight for it, prefix affinity is off: the config gives its default.
         merged = {"prefix": 0.0, **(weights or {})}
@@ -158,6 +159,13 @@ class Picker:
         self._scheduler.forget(self._ledger.set_endpoints(model, endpoints, served_name, max_num_seqs))
         if self._ledger.live is not before:
             self._relay.forget(self._ledger.live)
+        if self._target_listeners and self._ledger.live != before:
+            for listener in self._target_listeners:
+                listener()
+
+    def add_target_listener(self, listener: Callable[[], None]) -> None:
+        """Called when the set of endpoints changes (the scraper reads a new one's page at once)."""
+        self._target_listeners.append(listener)
 
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
         return self._ledger.endpoints(model)

@@ -276,6 +276,13 @@ class Scraper:
         """When `endpoint`'s next scheduled read is due (clock time; None: not a target yet)."""
         return self._cadence.due_at(endpoint)
 
+    def targets_changed(self) -> None:
+        """The sink's endpoints changed: follow them at the next wake, now (a new endpoint's first
+        read is due at once; else it waited for the once-an-interval re-read of the targets)."""
+        self._synced_at = float("-inf")
+        if self._task is not None:
+            self._wake.set()
+
     def hurry(self, endpoint: Endpoint) -> None:
         """Put `endpoint` on the busy cadence now (a pick there: its page is read `interval` after
         its last read, at once if that is past). Synchronous and cheap: the picker's claim

@@ -251,3 +251,20 @@ def test_an_idle_interval_the_stale_cutoff_does_not_allow_is_an_error_naming_the
     message = str(caught.value)
     assert message.startswith("gw.yaml: routing: scrape.idle_interval_seconds (1.5)")
     assert "stale_after_seconds (2)" in message
+
+
+async def test_an_added_endpoint_is_read_at_the_next_wake_not_an_interval_later(server: PageServer) -> None:
+    rig = await _rig(server, n=3)
+    rig.picker.add_target_listener(rig.scraper.targets_changed)
+    await rig.run(1.0)  # the targets were followed at the first wake, and every 0.5 s since
+    added = rig.eps[2]
+    rig.picker.set_endpoints("m", rig.eps[:2], served_name=MODEL)
+    await rig.run(0.55)
+    before = rig.sink.reads[added]
+    rig.clock.advance(0.01)  # just after a re-read of the targets: the next is 0.5 s away
+    await rig.scraper.scrape_due()
+    rig.picker.set_endpoints("m", rig.eps, served_name=MODEL)  # discovery adds it back
+    rig.clock.advance(0.01)
+    await rig.scraper.scrape_due()
+    assert rig.sink.reads[added] == before + 1  # its first read at the next wake
+    assert rig.picker.signals(added).fresh
