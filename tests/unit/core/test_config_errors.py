@@ -132,6 +132,13 @@ def test_a_value_turned_key_by_bad_indentation_is_not_shown(tmp_path: Path) -> N
         f"redis://app:{SECRET}@[::1/0",  # unparseable host
         f"unix://app:{SECRET}@",  # no socket path
         f"{SECRET}",
+        f"redis+sentinel://app:{SECRET}@10.0.0.5:26379",  # no master name
+        f"redis+sentinel://app:{SECRET}@/mymaster",  # no Sentinel
+        f"redis+sentinel://app:{SECRET}@10.0.0.5:99999/mymaster",  # no such port
+        f"redis+sentinel://app:{SECRET}@10.0.0.5,:26379/mymaster",  # the second address has no host
+        f"redis+sentinel://app:{SECRET}@10.0.0.5/mymaster/x",  # the db is not a number
+        f"redis+sentinel://app:{SECRET}@10.0.0.5/mymaster/0/extra",
+        f"redis+sentinel://10.0.0.5/mymaster?password={SECRET}",  # an unknown query parameter
     ],
 )
 def test_bad_redis_urls_are_refused_without_echoing_them(tmp_path: Path, url: str,
@@ -155,7 +162,9 @@ def test_bad_redis_urls_are_refused_without_echoing_them(tmp_path: Path, url: st
 @pytest.mark.parametrize(
     "url",
     ["redis://127.0.0.1:6379/0", f"redis://app:{SECRET}@redis.internal:6379", "rediss://h/1", "redis://h",
-     "redis://[::1]:6379", "unix:///run/redis.sock", f"unix://app:{SECRET}@/run/redis.sock?db=2"],
+     "redis://[::1]:6379", "unix:///run/redis.sock", f"unix://app:{SECRET}@/run/redis.sock?db=2",
+     "redis+sentinel://10.0.0.5/mymaster", f"redis+sentinel://app:{SECRET}@s1:26379,s2,[::1]:26380/mymaster/2",
+     f"REDIS+SENTINEL://s1/mymaster?sentinel_username=sen&sentinel_password={SECRET}"],
 )
 def test_redis_urls_redis_py_takes_are_accepted(url: str) -> None:
     assert redis_url_problem(url) is None
