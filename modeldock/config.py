@@ -222,6 +222,10 @@ class LimitsConfig(_Strict):
     # (Sentinel port 26379 by default; user and password are the master's; the Sentinels' own AUTH, if
     # any, in ?sentinel_username=...&sentinel_password=...). Admission README, "Redis topologies".
     redis_url: str | None = None
+    # The Redis is a Redis Cluster (ElastiCache/Memorystore cluster mode, Valkey cluster): redis_url is a
+    # redis:// or rediss:// URL of any one node (db 0), the client finds the rest and follows MOVED/ASK.
+    # Admission README, "Redis Cluster".
+    redis_cluster: bool = False
     redis_fail_open: bool = False
     redis_timeout_ms: Annotated[int, Field(ge=1, le=5000)] = 50
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
@@ -249,6 +253,13 @@ class LimitsConfig(_Strict):
         if problem is not None:
             raise ValueError(problem)  # the message never holds the URL: it may carry a password
         return value
+
+    @model_validator(mode="after")
+    def _cluster_url(self) -> LimitsConfig:
+        problem = None if self.redis_url is None else cluster_url_problem(self.redis_url, self.redis_cluster)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 class DiscoveryConfig(_Strict):
@@ -449,12 +460,25 @@ def redis_url_problem(url: str) -> str | None:
     return None
 
 
+def cluster_url_problem(url: str, cluster: bool) -> str | None:
+    """What stops `url` from naming a Redis Cluster node when `cluster` is set, or None (never quotes it)."""
+    if not cluster:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return ("limits.redis_cluster: true needs a redis:// or rediss:// URL of one cluster node "
+                "(not a unix socket or a Sentinel URL)")
+    if parts.path.strip("/") not in ("", "0"):
+        return "limits.redis_cluster: true needs database 0 in the URL (a Redis Cluster has only db 0)"
+    return None
+
+
 def with_env_redis(config: Config, environ: Mapping[str, str]) -> Config:
     """`$REDIS_URL` for the shared rate-limit windows when the config sets no `limits.redis_url`."""
     url = environ.get("REDIS_URL")
     if not url or config.limits.redis_url is not None:
         return config
-    problem = redis_url_problem(url)
+    problem = redis_url_problem(url) or cluster_url_problem(url, config.limits.redis_cluster)
     if problem is not None:
         raise ConfigError(f"$REDIS_URL (applied as limits.redis_url): {problem}")
     return config.model_copy(update={"limits": config.limits.model_copy(update={"redis_url": url})})

@@ -20,6 +20,15 @@ to a master that was demoted turns its READONLY reply into a ConnectionError (re
 Sentinels name no master (or a dead one): every call fails fast, a `RedisUnavailable` like a Redis
 down, and the first call after the promotion connects to the new master. The Sentinels themselves are
 asked with `timeout_s` on every step, and closed with the client.
+
+With `cluster=True` (`limits.redis_cluster`) a redis:// or rediss:// URL names one node of a Redis Cluster
+and either shape is a `redis.asyncio.RedisCluster` (typed as `Redis`: the callers use only what both
+have, `register_script`, `pubsub`, `aclose`; `RedisBatch` finds the slot map on it). redis-py sends a
+script call to the master of its first key's slot and follows MOVED and ASK; every script's keys share
+one `{tenant}` hash tag, so one slot. Its pool is per node (`MAX_CONNECTIONS` each, not blocking: a
+call beyond that fails at once). A connection error asks for a slot-map refresh (at most one a second)
+and retries once, so a master that died fails its slots' calls until its replica is promoted and the
+first refresh after that finds it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -38,8 +47,9 @@ from redis.backoff import NoBackoff
 from modeldock.clock import Clock
 
 __all__ = [
-    "MAX_CONNECTIONS", "SENTINEL_PORT", "SENTINEL_SCHEME", "LogThrottle", "RedisClientFactory",
-    "RedisUnavailable", "SentinelUrl", "make_batch_client", "make_redis_client", "parse_sentinel_url",
+    "CLUSTER_HINT", "MAX_CONNECTIONS", "SENTINEL_PORT", "SENTINEL_SCHEME", "LogThrottle", "RedisClientFactory",
+    "RedisUnavailable", "SentinelUrl", "cluster_hint", "make_batch_client", "make_client_factory",
+    "make_redis_client", "parse_sentinel_url",
 ]
 
 MAX_CONNECTIONS = 64  # the script-call pool's size
@@ -52,9 +62,25 @@ RedisClientFactory = Callable[[str, float], Redis]
 class RedisUnavailable(Exception):
     """Redis could not answer in time; the message says why (never the URL)."""
 
+    def __init__(self, why: str) -> None:
+        super().__init__(why + cluster_hint(why))
 
-def make_redis_client(url: str, timeout_s: float, *, batch: bool = False) -> Redis:
-    """A client for script calls (every step bounded by `timeout_s`), or with `batch` for one batcher."""
+
+# A standalone client's calls to a cluster node: the node answers MOVED for the slots it does not
+# serve (and CROSSSLOT), which would read as an outage with no clue; say what to set.
+_CLUSTER_REPLIES = ("MovedError:", "AskError:", "CROSSSLOT", "MOVED ")
+CLUSTER_HINT = " (a Redis Cluster node answered: set limits.redis_cluster: true)"
+
+
+def cluster_hint(why: str) -> str:
+    return CLUSTER_HINT if any(mark in why for mark in _CLUSTER_REPLIES) else ""
+
+
+def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluster: bool = False) -> Redis:
+    """A client for script calls (every step bounded by `timeout_s`), or with `batch` for one batcher;
+    `cluster`: a Redis Cluster client, found from the node the URL names."""
+    if cluster:
+        return _cluster_client(url, timeout_s, batch)
     if url.lower().startswith(SENTINEL_SCHEME + "://"):
         return _sentinel_client(parse_sentinel_url(url), timeout_s, batch)
     if batch:
@@ -104,6 +130,32 @@ def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool) -> Redis:
         shape = {"max_connections": MAX_CONNECTIONS, "timeout": timeout_s, "socket_timeout": timeout_s}
         pool_class = _BlockingSentinelPool
     return cast(Redis, sentinel.master_for(url.master, connection_pool_class=pool_class, **common, **shape))
+
+
+def _cluster_client(url: str, timeout_s: float, batch: bool) -> Redis:
+    """`make_redis_client`'s two shapes on a Redis Cluster (the URL is one node of it; db 0 only)."""
+    client = RedisCluster.from_url(
+        url,
+        max_connections=BATCH_CONNECTIONS if batch else MAX_CONNECTIONS,  # per node
+        socket_timeout=None if batch else timeout_s,  # the batcher bounds each write and read itself
+        socket_connect_timeout=timeout_s,
+        # One retry after a connection error, on a refreshed slot map; no backoff sleep inside a call
+        # bounded by timeout_s.
+        retry=Retry(NoBackoff(), 1),
+        # A slot whose master is gone is refused (RedisUnavailable) while the others still answer.
+        require_full_coverage=False,
+    )
+    return cast(Redis, client)
+
+
+def make_client_factory(*, batch: bool, cluster: bool) -> RedisClientFactory:
+    """`make_redis_client` of one shape and topology, as a `RedisClientFactory` (the config's:
+    `limits.redis_cluster`)."""
+
+    def factory(url: str, timeout_s: float) -> Redis:
+        return make_redis_client(url, timeout_s, batch=batch, cluster=cluster)
+
+    return factory
 
 
 class _SentinelPool(SentinelConnectionPool):

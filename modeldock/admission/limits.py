@@ -25,7 +25,7 @@ from modeldock.admission.window import WINDOW_SECONDS, Decision, SlidingWindow, 
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
-from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_redis_client
+from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_client_factory
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Admission:
         self,
         config: Config,
         clock: Clock,
-        redis_client_factory: RedisClientFactory = make_redis_client,
+        redis_client_factory: RedisClientFactory | None = None,  # None: make_redis_client, per limits.redis_cluster
         *,
         registry: CollectorRegistry | None = None,
         window_seconds: float = WINDOW_SECONDS,
@@ -112,7 +112,8 @@ class Admission:
         old, new = self._limits, config.limits
         self._limits = new
         self._per_model = PerModelLimits(config)
-        if (old.redis_url, old.redis_timeout_ms) == (new.redis_url, new.redis_timeout_ms):
+        if (old.redis_url, old.redis_timeout_ms, old.redis_cluster) == (
+                new.redis_url, new.redis_timeout_ms, new.redis_cluster):
             return
         if self._redis is not None:
             self._retire(self._redis)
@@ -202,8 +203,9 @@ class Admission:
         if limits.redis_url is None:
             return None
         url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
+        factory = self._redis_client_factory or make_client_factory(batch=False, cluster=limits.redis_cluster)
         return RedisWindow(
-            lambda: self._redis_client_factory(url, timeout_s),
+            lambda: factory(url, timeout_s),
             timeout_s=timeout_s,
             window_seconds=self._window_seconds,
         )

@@ -47,7 +47,7 @@ from modeldock.budgets.window import Shape, TokenWindow, shaped
 from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
-from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_batch_client
+from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_client_factory
 
 __all__ = ["Reservation", "ReservationState", "TokenBudgets", "has_budgets", "matching_budgets"]
 
@@ -60,7 +60,7 @@ class TokenBudgets:
         self,
         config: Config,
         clock: Clock,
-        redis_client_factory: RedisClientFactory = make_batch_client,
+        redis_client_factory: RedisClientFactory | None = None,  # None: the batch client, per limits.redis_cluster
         *,
         minute_seconds: float = MINUTE_SECONDS,
         redis_now_us: Callable[[], int] | None = None,
@@ -277,7 +277,8 @@ class TokenBudgets:
         # Leases belong to a window and a budget set: new ones are made from the next request on.
         self._leases.retire_all()
         self._leases.lease_s = new.token_lease_ms / 1000
-        if (old.redis_url, old.redis_timeout_ms) != (new.redis_url, new.redis_timeout_ms):
+        if (old.redis_url, old.redis_timeout_ms, old.redis_cluster) != (
+                new.redis_url, new.redis_timeout_ms, new.redis_cluster):
             retired, self._redis = self._redis, self._make_redis(new)
             if retired is not None:
                 self._retired.append(retired)
@@ -353,8 +354,9 @@ class TokenBudgets:
         if limits.redis_url is None:
             return None
         url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
+        factory = self._redis_client_factory or make_client_factory(batch=True, cluster=limits.redis_cluster)
         return RedisTokenWindow(
-            lambda: self._redis_client_factory(url, timeout_s),
+            lambda: factory(url, timeout_s),
             timeout_s=timeout_s,
             now_us=self._redis_now_us,
             call_later=self._redis_call_later,

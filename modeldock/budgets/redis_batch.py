@@ -12,11 +12,13 @@ wake-up) whatever it carries, so calls that can share one do:
 
 Every item is its own EVALSHA (no MULTI): its own atomic script run and its own reply or error.
 One write is in flight at a time, so items reach Redis in the order they were queued (queued
-deferred items first). A call is bounded by `timeout_s` from when it was made, its wait in the
-queue included; every failure (refused, reset, timeout, error reply) is `RedisUnavailable`. A call
-that times out or is cancelled after it was sent may still have run: undoing it is the caller's
-job (e.g. a refund through `defer`). Scripts must be idempotent: a write on a connection found
-dead is sent again once, and deferred items riding with a cancelled call are queued again.
+deferred items first). On a Redis Cluster (a `RedisCluster` client) the write is split by node, one
+held connection each (redis_batch_cluster.py); items keep their order per node. A call is bounded
+by `timeout_s` from when it was made, its wait in the queue included; every failure (refused,
+reset, timeout, error reply) is `RedisUnavailable`. A call that times out or is cancelled after it
+was sent may still have run: undoing it is the caller's job (e.g. a refund through `defer`).
+Scripts must be idempotent: a write on a connection found dead is sent again once, and deferred
+items riding with a cancelled call are queued again.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.utils import HIREDIS_AVAILABLE
 
+from modeldock.budgets.redis_batch_cluster import ClusterRoutes
 from modeldock.redis_client import RedisUnavailable
 
 if HIREDIS_AVAILABLE:  # redis[hiredis]: redis-py parses the replies in C; _pack packs in C
@@ -74,7 +77,7 @@ class _Item:
 class RedisBatch:
     def __init__(
         self,
-        client_factory: Callable[[], Redis],
+        client_factory: Callable[[], Redis | RedisCluster],
         *,
         timeout_s: float,
         flush_interval_s: float = FLUSH_INTERVAL_S,
@@ -82,8 +85,9 @@ class RedisBatch:
         call_later: CallLater | None = None,
     ) -> None:
         self._client_factory = client_factory
-        self._client: Redis | None = None
+        self._client: Redis | RedisCluster | None = None
         self._conn: AbstractConnection | None = None
+        self._cluster: ClusterRoutes[_Item] | None = None  # a Redis Cluster: the write split by node
         self._loaded: set[str] = set()  # scripts loaded through the held connection since it connected
         self.timeout_s = timeout_s
         self.flush_interval_s = flush_interval_s
@@ -245,18 +249,32 @@ class RedisBatch:
         except asyncio.CancelledError:
             self._loaded.clear()
             raise
-        for item, reply in zip(batch, replies, strict=True):
+        if replies is not None:
+            self._resolve(batch, replies)
+
+    def _resolve(self, items: Sequence[_Item], replies: Sequence[Any]) -> None:
+        for item, reply in zip(items, replies, strict=True):
             if isinstance(reply, Exception):
                 self._fail([item], f"{type(reply).__name__}: {reply}")
             elif not item.future.done():
                 item.future.set_result(None if item.on_error is not None else reply)
 
-    async def _round_trip(self, batch: list[_Item]) -> list[Any]:
+    async def _round_trip(self, batch: list[_Item]) -> list[Any] | None:
+        """The replies in order, or None when they were resolved already (a cluster, node by node)."""
         conn = self._conn
         if conn is None:
+            if self._cluster is not None:
+                self.round_trips += 1
+                await self._cluster.round_trip(batch)
+                return None
             if self._client is None:
                 # Built lazily so the client binds to the running event loop.
                 self._client = self._client_factory()
+            if isinstance(self._client, RedisCluster):
+                self._cluster = ClusterRoutes(self._client, self._resolve, _exchange)
+                self.round_trips += 1
+                await self._cluster.round_trip(batch)
+                return None
             # Held while the batcher is open: one write is in flight at a time, and the pool's
             # checkout and release cost as much as the commands. redis-py reconnects it by itself.
             conn = self._conn = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
@@ -290,6 +308,8 @@ class RedisBatch:
     @staticmethod
     def _fail(items: list[_Item], why: str) -> None:
         for item in items:
+            if item.future.done():
+                continue  # answered already (a cluster's other node), or a call that gave up waiting
             if item.on_error is not None:
                 item.on_error(RedisUnavailable(why))
                 if not item.future.done():
@@ -299,8 +319,13 @@ class RedisBatch:
 
     async def _close_client(self) -> None:
         client, conn, self._client, self._conn = self._client, self._conn, None, None
+        cluster, self._cluster = self._cluster, None
         self._loaded = set()
-        if client is not None:
+        if cluster is not None:
+            await cluster.close()
+        elif isinstance(client, RedisCluster):
+            await client.aclose()
+        elif client is not None:
             if conn is not None:
                 await client.connection_pool.release(conn)
             await client.aclose()

@@ -271,7 +271,9 @@ def _sharing(config: Config, picker: Picker, scraper: Scraper, flow: Dispatcher,
     timeout = config.sharing.timeout_ms / 1000.0
     # No socket timeout on either (every exchange is bounded by asyncio.timeout in Sharing, and a
     # subscription idles): redis-py would wrap every send in a task of its own.
-    store = RedisShareStore(make_redis_client(url, timeout, batch=True), make_redis_client(url, timeout, batch=True))
+    cluster = config.limits.redis_cluster
+    store = RedisShareStore(make_redis_client(url, timeout, batch=True, cluster=cluster),
+                            make_redis_client(url, timeout, batch=True, cluster=cluster))
     split = config.sharing.split_scraping
     sharing = Sharing(picker, store, clock, config.sharing, registry, standing=flow.standing,
                       queues=flow, pages=picker if split else None)
