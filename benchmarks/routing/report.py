@@ -196,11 +196,14 @@ all {args.backends} backends, which then have to hold, or recompute, every group
                          f"simulated s ({w.duration / args.speed:.1f} s wall); parameters `{json.dumps(w.params)}`."
                          for w in workloads)
     plot_md = f"\n![TTFT p50 and p95 per policy and workload]({plot_name})\n" if plot_name else ""
+    slow = getattr(args, "slow_factor", 1.0)  # absent in the raw results of runs before the option
+    uneven = f"; the last one at {slow:g}x the others' speed" if slow != 1.0 else ""
     body = f"""
 {args.backends} simulated vLLM backends (`modeldock sim {' '.join(sim_args(args))}`: {args.max_num_seqs} running
 sequences at most, a KV cache of {args.num_gpu_blocks} blocks = {args.num_gpu_blocks * 16:,} tokens each, prefix
-caching on) behind the real gateway (Envoy + ext_proc + xDS, started by `modeldock/devstack/stack.py`), one fresh
-stack per policy. Every policy gets exactly the same seeded requests (seed {args.seed}), sent **open-loop**: each
+caching on{uneven}) behind the real gateway (Envoy + ext_proc + xDS, started by `modeldock/devstack/stack.py`),
+one fresh stack per policy. Every policy gets exactly the same seeded requests (seed {args.seed}), sent
+**open-loop**: each
 request leaves at its planned time whatever the latency of the others (Poisson arrivals, plus bursts), so a
 backend that routing overloads builds a queue and the queue shows in TTFT. A closed loop would slow down
 with the server and hide it. The rotation of the policies ran {args.rotations} time(s), every second one in reverse

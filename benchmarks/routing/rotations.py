@@ -19,7 +19,7 @@ from benchmarks.routing.driver import DriveResult, Timed, drive
 from benchmarks.routing.stacks import MODEL, drive_model, sim_args, sim_stats, wait_idle, warm, with_routing
 from benchmarks.routing.workloads import Request, Workload
 from modeldock.bench.stats import nearest_rank
-from modeldock.devstack.stack import API_KEY, running_stack, start_sims
+from modeldock.devstack.stack import API_KEY, http_json, running_stack, start_sims
 from modeldock.up import Supervisor
 
 
@@ -133,6 +133,8 @@ def run_rotations(args: argparse.Namespace, workloads: Sequence[Workload], run_d
             with running_stack(run_dir / f"r{rotation}-{policy}", backends=args.backends, sim_args=sim_args(args),
                                edit_config=with_routing(args.routing[policy]), log_level="warning") as stack:
                 urls = [s.url for s in stack.sims]
+                if args.slow_factor != 1.0:  # an uneven pool: the last backend slower (or faster) than the rest
+                    http_json("POST", f"{urls[-1]}/sim/speed", {"speed": args.speed * args.slow_factor})
                 warm(stack.base_url, API_KEY)
                 mine = []
                 for workload in workloads:

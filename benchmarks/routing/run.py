@@ -53,6 +53,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", type=int, default=4)
     parser.add_argument("--speed", type=float, default=1.5, help="simulator time factor (default %(default)s)")
+    parser.add_argument("--slow-factor", type=float, default=1.0,
+                        help="the last backend's speed relative to the others (0.5: an uneven pool; default even)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--num-gpu-blocks", type=int, default=768)
     parser.add_argument("--rotations", type=int, default=2)
