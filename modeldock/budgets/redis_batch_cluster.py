@@ -100,8 +100,12 @@ class ClusterRoutes(Generic[T]):
                 return
             # One write per node, all at once; each node's redirected items come back for the next pass
             # (never two writes on one held connection at a time).
-            results = await asyncio.gather(*(self._node_trip(node, entries) for node, entries in groups.values()))
-            pending = [entry for redirected in results for entry in redirected]
+            if len(groups) == 1:  # one node (a single call, say): no task to start
+                ((node, entries),) = groups.values()
+                pending = await self._node_trip(node, entries)
+            else:
+                results = await asyncio.gather(*(self._node_trip(node, entries) for node, entries in groups.values()))
+                pending = [entry for redirected in results for entry in redirected]
             if not pending:
                 return
         self._resolve([item for item, _ in pending],
