@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modeldock.flowcontrol.config import QueueConfig
 from modeldock.picking.config import RoutingConfig  # imports pydantic only (picking/__init__ is lazy)
+from modeldock.redis_auth import RedisAuthConfig, auth_problem
 from modeldock.sharing.config import SharingConfig
 from modeldock.types import Endpoint
 from modeldock.usage.config import UsageConfig
@@ -216,6 +217,15 @@ class ModelConfig(_Strict):
         return tuple(Endpoint.parse(item) for item in self.endpoints or ())
 
 
+def redis_auth_problem(url: str | None, auth: RedisAuthConfig | None) -> str | None:
+    """What stops `auth` from applying to `url` (never quoting it), or None; no URL yet: checked when
+    $REDIS_URL supplies one."""
+    if url is None or auth is None:
+        return None
+    problem = auth_problem(url, auth)
+    return None if problem is None else f"limits.redis_auth.{problem}"
+
+
 class LimitsConfig(_Strict):
     # redis://, rediss:// (host required), unix:// (socket path required), or a master found through Redis
     # Sentinel: redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master-name>[/<db>]
@@ -226,6 +236,9 @@ class LimitsConfig(_Strict):
     # redis:// or rediss:// URL of any one node (db 0), the client finds the rest and follows MOVED/ASK.
     # Admission README, "Redis Cluster".
     redis_cluster: bool = False
+    # Credentials from a file or an environment variable (re-read at every new connection: rotated without
+    # a restart) and TLS options for a rediss:// URL. Admission README, "TLS and credentials".
+    redis_auth: RedisAuthConfig | None = None
     redis_fail_open: bool = False
     redis_timeout_ms: Annotated[int, Field(ge=1, le=5000)] = 50
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
@@ -257,6 +270,13 @@ class LimitsConfig(_Strict):
     @model_validator(mode="after")
     def _cluster_url(self) -> LimitsConfig:
         problem = None if self.redis_url is None else cluster_url_problem(self.redis_url, self.redis_cluster)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _auth_url(self) -> LimitsConfig:
+        problem = redis_auth_problem(self.redis_url, self.redis_auth)
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -478,7 +498,8 @@ def with_env_redis(config: Config, environ: Mapping[str, str]) -> Config:
     url = environ.get("REDIS_URL")
     if not url or config.limits.redis_url is not None:
         return config
-    problem = redis_url_problem(url) or cluster_url_problem(url, config.limits.redis_cluster)
+    problem = (redis_url_problem(url) or cluster_url_problem(url, config.limits.redis_cluster)
+               or redis_auth_problem(url, config.limits.redis_auth))
     if problem is not None:
         raise ConfigError(f"$REDIS_URL (applied as limits.redis_url): {problem}")
     return config.model_copy(update={"limits": config.limits.model_copy(update={"redis_url": url})})

@@ -45,6 +45,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
 from modeldock.clock import Clock
+from modeldock.redis_auth import RedisAuthConfig, connection_kwargs
 
 __all__ = [
     "CLUSTER_HINT", "MAX_CONNECTIONS", "SENTINEL_PORT", "SENTINEL_SCHEME", "LogThrottle", "RedisClientFactory",
@@ -76,16 +77,20 @@ def cluster_hint(why: str) -> str:
     return CLUSTER_HINT if any(mark in why for mark in _CLUSTER_REPLIES) else ""
 
 
-def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluster: bool = False) -> Redis:
+def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluster: bool = False,
+                      auth: RedisAuthConfig | None = None) -> Redis:
     """A client for script calls (every step bounded by `timeout_s`), or with `batch` for one batcher;
-    `cluster`: a Redis Cluster client, found from the node the URL names."""
+    `cluster`: a Redis Cluster client, found from the node the URL names; `auth`: credentials read at each
+    new connection and TLS options (redis_auth.py)."""
+    extra = connection_kwargs(auth, url)
     if cluster:
-        return _cluster_client(url, timeout_s, batch)
+        return _cluster_client(url, timeout_s, batch, extra)
     if url.lower().startswith(SENTINEL_SCHEME + "://"):
-        return _sentinel_client(parse_sentinel_url(url), timeout_s, batch)
+        return _sentinel_client(parse_sentinel_url(url), timeout_s, batch, extra)
     if batch:
         pool: ConnectionPool = ConnectionPool.from_url(
             url,
+            **extra,
             max_connections=BATCH_CONNECTIONS,
             socket_timeout=None,  # redis-py's default is 5 s; the batcher bounds each write and read
             socket_connect_timeout=timeout_s,
@@ -94,6 +99,7 @@ def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluste
     else:
         pool = BlockingConnectionPool.from_url(
             url,
+            **extra,
             max_connections=MAX_CONNECTIONS,
             timeout=timeout_s,  # waiting for a free pooled connection
             socket_timeout=timeout_s,
@@ -103,7 +109,7 @@ def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluste
     return Redis.from_pool(pool)
 
 
-def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool) -> Redis:
+def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool, extra: dict[str, Any]) -> Redis:
     """`make_redis_client`'s two shapes on the master the Sentinels name."""
     sentinel = Sentinel(
         url.sentinels,
@@ -122,7 +128,10 @@ def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool) -> Redis:
         "password": url.password,
         "socket_connect_timeout": timeout_s,
         "retry": Retry(NoBackoff(), 1),
+        **extra,  # a credential provider (the master's password from a file) replaces the URL's
     }
+    if "credential_provider" in extra:
+        del common["username"], common["password"]
     if batch:
         shape: dict[str, Any] = {"max_connections": BATCH_CONNECTIONS, "socket_timeout": None}
         pool_class: type[SentinelConnectionPool] = _SentinelPool
@@ -132,10 +141,11 @@ def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool) -> Redis:
     return cast(Redis, sentinel.master_for(url.master, connection_pool_class=pool_class, **common, **shape))
 
 
-def _cluster_client(url: str, timeout_s: float, batch: bool) -> Redis:
+def _cluster_client(url: str, timeout_s: float, batch: bool, extra: dict[str, Any]) -> Redis:
     """`make_redis_client`'s two shapes on a Redis Cluster (the URL is one node of it; db 0 only)."""
     client = RedisCluster.from_url(
         url,
+        **extra,
         max_connections=BATCH_CONNECTIONS if batch else MAX_CONNECTIONS,  # per node
         socket_timeout=None if batch else timeout_s,  # the batcher bounds each write and read itself
         socket_connect_timeout=timeout_s,
@@ -148,12 +158,12 @@ def _cluster_client(url: str, timeout_s: float, batch: bool) -> Redis:
     return cast(Redis, client)
 
 
-def make_client_factory(*, batch: bool, cluster: bool) -> RedisClientFactory:
+def make_client_factory(*, batch: bool, cluster: bool, auth: RedisAuthConfig | None = None) -> RedisClientFactory:
     """`make_redis_client` of one shape and topology, as a `RedisClientFactory` (the config's:
-    `limits.redis_cluster`)."""
+    `limits.redis_cluster`, `limits.redis_auth`)."""
 
     def factory(url: str, timeout_s: float) -> Redis:
-        return make_redis_client(url, timeout_s, batch=batch, cluster=cluster)
+        return make_redis_client(url, timeout_s, batch=batch, cluster=cluster, auth=auth)
 
     return factory
 

@@ -112,8 +112,8 @@ class Admission:
         old, new = self._limits, config.limits
         self._limits = new
         self._per_model = PerModelLimits(config)
-        if (old.redis_url, old.redis_timeout_ms, old.redis_cluster) == (
-                new.redis_url, new.redis_timeout_ms, new.redis_cluster):
+        if (old.redis_url, old.redis_timeout_ms, old.redis_cluster, old.redis_auth) == (
+                new.redis_url, new.redis_timeout_ms, new.redis_cluster, new.redis_auth):
             return
         if self._redis is not None:
             self._retire(self._redis)
@@ -203,7 +203,8 @@ class Admission:
         if limits.redis_url is None:
             return None
         url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
-        factory = self._redis_client_factory or make_client_factory(batch=False, cluster=limits.redis_cluster)
+        factory = self._redis_client_factory or make_client_factory(batch=False, cluster=limits.redis_cluster,
+                                                                    auth=limits.redis_auth)
         return RedisWindow(
             lambda: factory(url, timeout_s),
             timeout_s=timeout_s,

@@ -277,8 +277,8 @@ class TokenBudgets:
         # Leases belong to a window and a budget set: new ones are made from the next request on.
         self._leases.retire_all()
         self._leases.lease_s = new.token_lease_ms / 1000
-        if (old.redis_url, old.redis_timeout_ms, old.redis_cluster) != (
-                new.redis_url, new.redis_timeout_ms, new.redis_cluster):
+        if (old.redis_url, old.redis_timeout_ms, old.redis_cluster, old.redis_auth) != (
+                new.redis_url, new.redis_timeout_ms, new.redis_cluster, new.redis_auth):
             retired, self._redis = self._redis, self._make_redis(new)
             if retired is not None:
                 self._retired.append(retired)
@@ -354,7 +354,8 @@ class TokenBudgets:
         if limits.redis_url is None:
             return None
         url, timeout_s = limits.redis_url, limits.redis_timeout_ms / 1000
-        factory = self._redis_client_factory or make_client_factory(batch=True, cluster=limits.redis_cluster)
+        factory = self._redis_client_factory or make_client_factory(batch=True, cluster=limits.redis_cluster,
+                                                                    auth=limits.redis_auth)
         return RedisTokenWindow(
             lambda: factory(url, timeout_s),
             timeout_s=timeout_s,

@@ -271,9 +271,9 @@ def _sharing(config: Config, picker: Picker, scraper: Scraper, flow: Dispatcher,
     timeout = config.sharing.timeout_ms / 1000.0
     # No socket timeout on either (every exchange is bounded by asyncio.timeout in Sharing, and a
     # subscription idles): redis-py would wrap every send in a task of its own.
-    cluster = config.limits.redis_cluster
-    store = RedisShareStore(make_redis_client(url, timeout, batch=True, cluster=cluster),
-                            make_redis_client(url, timeout, batch=True, cluster=cluster))
+    cluster, auth = config.limits.redis_cluster, config.limits.redis_auth
+    store = RedisShareStore(make_redis_client(url, timeout, batch=True, cluster=cluster, auth=auth),
+                            make_redis_client(url, timeout, batch=True, cluster=cluster, auth=auth))
     split = config.sharing.split_scraping
     sharing = Sharing(picker, store, clock, config.sharing, registry, standing=flow.standing,
                       queues=flow, pages=picker if split else None)
