@@ -29,10 +29,11 @@ import asyncio
 import importlib
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any, cast
 
 import pytest
 import pytest_asyncio
@@ -95,24 +96,25 @@ class KeySpec:
     movable: bool  # keys found by reading arguments (numkeys, KEYS ...): ask COMMAND GETKEYS
 
 
-def _spec_entries(entries: Iterable[list[object]], into: dict[str, KeySpec]) -> None:
+def _spec_entries(entries: Any, into: dict[str, KeySpec]) -> None:
+    """COMMAND's reply: per command [name, arity, flags, first key, last key, step, ..., subcommands]."""
     for entry in entries:
-        name = bytes(entry[0]).decode().lower()  # type: ignore[arg-type]
-        flags = {bytes(f).decode() for f in entry[2]}  # type: ignore[attr-defined]
-        first, last, step = (int(entry[i]) for i in (3, 4, 5))  # type: ignore[call-overload]
+        name = bytes(entry[0]).decode().lower()
+        flags = {bytes(f).decode() for f in entry[2]}
+        first, last, step = (int(entry[i]) for i in (3, 4, 5))
         into[name] = KeySpec(first, last, step, "movablekeys" in flags)
         if len(entry) > 9 and entry[9]:
-            _spec_entries(entry[9], into)  # type: ignore[arg-type]
+            _spec_entries(entry[9], into)
 
 
-async def _raw(conn: Connection, *args: object) -> object:
+async def _raw(conn: Connection, *args: Any) -> Any:
     await conn.send_command(*args)
     return await conn.read_response(disable_decoding=True)
 
 
 async def _connect(server: RedisServer) -> Connection:
     conn = Connection(host="127.0.0.1", port=server.port, socket_timeout=10, protocol=2)
-    await conn.connect()
+    await conn.connect()  # type: ignore[no-untyped-call]
     return conn
 
 
@@ -123,7 +125,7 @@ async def command_specs(server: RedisServer) -> dict[str, KeySpec]:
     finally:
         await conn.disconnect()
     specs: dict[str, KeySpec] = {}
-    _spec_entries(reply, specs)  # type: ignore[arg-type]
+    _spec_entries(reply, specs)
     return specs
 
 
@@ -389,7 +391,13 @@ def lua_literals() -> dict[str, list[str]]:
     """Every string literal in modeldock that calls redis.call/pcall, by module path (from the source)."""
     out: dict[str, list[str]] = {}
     for path in _modeldock_sources():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if id(node) in docstrings:
+                continue  # prose about scripts, not a script
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.search(
                     r"redis\s*\.\s*p?call", node.value):
                 out.setdefault(_rel(path), []).append(node.value)
@@ -410,6 +418,8 @@ def discover_scripts() -> list[FoundScript]:
     for rel in lua_literals():
         module: ModuleType = importlib.import_module(_module_name(PACKAGE_DIR.parent / rel))
         for name, value in vars(module).items():
+            if name == "__doc__":
+                continue
             text = value if isinstance(value, str) else getattr(value, "text", None) or getattr(value, "script", None)
             if isinstance(text, str) and re.search(r"redis\s*\.\s*p?call", text):
                 found.setdefault(text, f"{module.__name__}:{name}")
@@ -682,7 +692,7 @@ async def keys_of(conn: Connection, specs: dict[str, KeySpec], argv: Sequence[st
         if "no key arguments" in str(exc):
             return []
         raise
-    return [bytes(k).decode("utf-8", "surrogateescape") for k in reply]  # type: ignore[union-attr]
+    return [bytes(k).decode("utf-8", "surrogateescape") for k in reply]
 
 
 def slot(key: str) -> int:
@@ -824,7 +834,7 @@ async def run_budgets(server: RedisServer) -> None:
 async def run_sharing(server: RedisServer) -> None:
     """Three replicas exchange, one listens to its pushes, one leaves."""
     stores = [RedisShareStore(make_redis_client(server.url, 2.0)) for _ in range(3)]
-    pushes = stores[0].pushes("r0")
+    pushes = cast(AsyncGenerator[tuple[str, bytes], None], stores[0].pushes("r0"))  # an async generator
     try:
         await stores[0].exchange("r0", b"zero", 60_000)
         listening = asyncio.ensure_future(anext(pushes))
