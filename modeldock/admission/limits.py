@@ -26,6 +26,7 @@ from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
 from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_client_factory
+from modeldock.redis_metrics import RedisMetrics
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ class Admission:
         registry: CollectorRegistry | None = None,
         window_seconds: float = WINDOW_SECONDS,
         warn_interval_s: float = 10.0,
+        redis_metrics: RedisMetrics | None = None,
     ) -> None:
+        self._redis_metrics = redis_metrics
         self._clock = clock
         self._redis_client_factory = redis_client_factory
         self._window_seconds = window_seconds
@@ -209,6 +212,7 @@ class Admission:
             lambda: factory(url, timeout_s),
             timeout_s=timeout_s,
             window_seconds=self._window_seconds,
+            metrics=self._redis_metrics,
         )
 
     def _retire(self, window: RedisWindow) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from redis.exceptions import RedisError
 
 from modeldock.admission.window import WINDOW_SECONDS, Decision
 from modeldock.redis_client import RedisUnavailable
+from modeldock.redis_metrics import RedisMetrics
 
 KEY_PREFIX = "modeldock:rl:"
 
@@ -91,8 +93,10 @@ class RedisWindow:
         *,
         timeout_s: float,
         window_seconds: float = WINDOW_SECONDS,
+        metrics: RedisMetrics | None = None,
     ) -> None:
         self._client_factory = client_factory
+        self._metrics = metrics
         self._client: Redis | None = None
         self._script: Any = None
         self.timeout_s = timeout_s
@@ -113,7 +117,16 @@ class RedisWindow:
         keys = [key for key, _ in limits]
         args: list[int | str] = [self._window_us, f"{self._id_prefix}:{next(self._ids):x}"]
         args.extend(limit for _, limit in limits)
-        reply = await run_script(script, keys, args, self.timeout_s)
+        if self._metrics is None:
+            reply = await run_script(script, keys, args, self.timeout_s)
+        else:
+            started = time.perf_counter()
+            try:
+                reply = await run_script(script, keys, args, self.timeout_s)
+            except RedisUnavailable:
+                self._metrics.error("rate_window")
+                raise
+            self._metrics.observe("rate_window", time.perf_counter() - started)
         return self._decisions(reply, limits)
 
     async def close(self) -> None:

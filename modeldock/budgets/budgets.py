@@ -48,6 +48,7 @@ from modeldock.clock import Clock
 from modeldock.config import Config, LimitsConfig, TenantConfig
 from modeldock.errors import RateLimited, limiter_unavailable
 from modeldock.redis_client import LogThrottle, RedisClientFactory, RedisUnavailable, make_client_factory
+from modeldock.redis_metrics import RedisMetrics
 
 __all__ = ["Reservation", "ReservationState", "TokenBudgets", "has_budgets", "matching_budgets"]
 
@@ -66,7 +67,9 @@ class TokenBudgets:
         redis_now_us: Callable[[], int] | None = None,
         redis_call_later: CallLater | None = None,
         warn_interval_s: float = 10.0,
+        redis_metrics: RedisMetrics | None = None,
     ) -> None:
+        self._redis_metrics = redis_metrics
         self._clock = clock
         self._redis_client_factory = redis_client_factory
         self._minute = minute_seconds
@@ -361,6 +364,7 @@ class TokenBudgets:
             timeout_s=timeout_s,
             now_us=self._redis_now_us,
             call_later=self._redis_call_later,
+            metrics=self._redis_metrics,
         )
 
 

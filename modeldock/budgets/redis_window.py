@@ -16,7 +16,9 @@ one `RedisBatch` per window (one client): see redis_batch.py and README.md ("Tok
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -25,6 +27,7 @@ from modeldock.admission.window import Decision
 from modeldock.budgets.redis_batch import FLUSH_INTERVAL_S, CallLater, OnError, RedisBatch, Script
 from modeldock.budgets.window import UNIT, BudgetLimit, Shape
 from modeldock.redis_client import RedisUnavailable
+from modeldock.redis_metrics import RedisMetrics
 
 KEY_PREFIX = "modeldock:tb:"
 
@@ -197,8 +200,10 @@ class RedisTokenWindow:
         now_us: Callable[[], int] | None = None,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         call_later: CallLater | None = None,
+        metrics: RedisMetrics | None = None,
     ) -> None:
         """`now_us` replaces the Redis server's clock (tests only); None uses `TIME` on the server."""
+        self._metrics = metrics
         self._batch = RedisBatch(
             client_factory, timeout_s=timeout_s, flush_interval_s=flush_interval_s, call_later=call_later
         )
@@ -225,7 +230,7 @@ class RedisTokenWindow:
         if shapes is not None and any(shape != UNIT for shape in shapes):  # (0, 1.0) == (0.0, 1.0) too
             for base, slope in shapes:
                 args.extend((repr(float(base)), repr(float(slope))))
-        reply = await self._batch.call(_RESERVE, _keys(key for key, _, _ in limits), args)
+        reply = await self._call("token_reserve", _RESERVE, _keys(key for key, _, _ in limits), args)
         decisions = decisions_from_reply(reply, [limit for _, limit, _ in limits])
         try:
             grant = int(reply[1 + 3 * len(limits)])
@@ -239,7 +244,7 @@ class RedisTokenWindow:
         """Settle now and return the number of windows changed."""
         if not keys:
             return 0
-        reply = await self._batch.call(_SETTLE, *self._settle_call(entry_id, keys, amount, final))
+        reply = await self._call("token_settle", _SETTLE, *self._settle_call(entry_id, keys, amount, final))
         try:
             return int(reply)
         except (TypeError, ValueError) as exc:
@@ -252,7 +257,26 @@ class RedisTokenWindow:
         """Queue the settlement for the next flush; the future is done once Redis took it or it failed.
         `amount`: one for every window, or one per window; `final`: no later settlement of this id will
         come (a period counter then folds the entry into its total)."""
+        if self._metrics is not None:
+            metrics, told = self._metrics, on_error
+
+            def on_error(exc: RedisUnavailable) -> None:
+                metrics.error("token_settle")
+                told(exc)
+
         return self._batch.defer(_SETTLE, *self._settle_call(entry_id, keys, amount, final), on_error)
+
+    async def _call(self, op: str, script: Script, keys: Sequence[str], args: Sequence[int | str]) -> Any:
+        if self._metrics is None:
+            return await self._batch.call(script, keys, args)
+        started = time.perf_counter()
+        try:
+            reply = await self._batch.call(script, keys, args)
+        except RedisUnavailable:
+            self._metrics.error(op)
+            raise
+        self._metrics.observe(op, time.perf_counter() - started)
+        return reply
 
     async def close(self) -> None:
         """Flush queued settlements (bounded by `timeout_s`) and close the client."""

@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from modeldock.admission.limits import Admission
+from modeldock.budgets.budgets import TokenBudgets
 from modeldock.clock import Clock, SystemClock
 from modeldock.config import Config, ConfigError, load_config
 from modeldock.epp import PickerOptions, PickerServicer
@@ -32,6 +33,7 @@ from modeldock.picking.picker import Picker
 from modeldock.picking.scrape import Scraper
 from modeldock.process import freeze_startup_objects, run_until_signalled
 from modeldock.redis_client import make_redis_client
+from modeldock.redis_metrics import RedisMetrics, topology_of
 from modeldock.sharing.store import RedisShareStore
 from modeldock.sharing.sync import Sharing, SharingMetrics
 from modeldock.types import Endpoint, cluster_name
@@ -140,11 +142,14 @@ class ExtProcServer:
             on_endpoints=lambda model, endpoints: self.gateway.on_endpoints(model, endpoints),
             on_status=lambda stale: self.gateway.on_status(stale),
         )
-        self.admission = Admission(config, self.clock, registry=self.registry)
+        self.redis_metrics = RedisMetrics(self.registry)
+        self.redis_metrics.set_topology(topology_of(config.limits.redis_url, config.limits.redis_cluster))
+        self.admission = Admission(config, self.clock, registry=self.registry, redis_metrics=self.redis_metrics)
         # Usage records (config `usage:`); raises UsageSinkError, naming the path, if they cannot be written.
         self.usage = UsageLog.open(config.usage, self.clock, self.registry)
         self.gateway = Gateway(config, self.clock, self.picker, self.admission, xds_down_for=self.xds.disconnected_for,
-                               queue_metrics=QueueMetrics(self.registry), usage_log=self.usage)
+                               queue_metrics=QueueMetrics(self.registry), usage_log=self.usage,
+                               budgets=TokenBudgets(config, self.clock, redis_metrics=self.redis_metrics))
         # The one place the mode is chosen: the adapter, and when the registry settles (at each stream end
         # in picker mode, where a gateway modeldock did not configure sends no usage or retry log).
         self.lifecycle = Lifecycle(self.gateway, self.metrics, await_reports=options.picker is None)
@@ -223,6 +228,7 @@ class ExtProcServer:
                         "`modeldock envoy-config --max-body-bytes`)", config.limits.max_body_bytes,
                         self.receive_limit - RECEIVE_HEADROOM_BYTES)
         self.gateway.apply_config(config)
+        self.redis_metrics.set_topology(topology_of(config.limits.redis_url, config.limits.redis_cluster))
         log.info("config reloaded from %s (%d tenants)", path, len(config.tenants))
 
     async def stop(self, grace: float = 10.0) -> None:
