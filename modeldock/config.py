@@ -229,6 +229,7 @@ def redis_auth_problem(url: str | None, auth: RedisAuthConfig | None) -> str | N
 class LimitsConfig(_Strict):
     # redis://, rediss:// (host required), unix:// (socket path required), or a master found through Redis
     # Sentinel: redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master-name>[/<db>]
+    # (rediss+sentinel:// for TLS to the Sentinels and the master, with limits.redis_auth's TLS options)
     # (Sentinel port 26379 by default; user and password are the master's; the Sentinels' own AUTH, if
     # any, in ?sentinel_username=...&sentinel_password=...). Admission README, "Redis topologies".
     redis_url: str | None = None
@@ -448,14 +449,14 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError("\n".join(lines)) from None
 
 
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
-_SCHEMES_TEXT = "redis://, rediss://, unix:// or redis+sentinel://"
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")
+_SCHEMES_TEXT = "redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel://"
 
 
 def redis_url_problem(url: str) -> str | None:
     """What is wrong with a Redis URL (redis-py's forms, or a redis+sentinel:// one), or None; the answer
     never quotes the URL."""
-    if url[:17].lower() == "redis+sentinel://":
+    if url[:17].lower() == "redis+sentinel://" or url[:18].lower() == "rediss+sentinel://":
         # Deferred: the parser lives with the client factory, and only a Sentinel URL needs redis-py here.
         from modeldock.redis_client import parse_sentinel_url
 

@@ -35,6 +35,7 @@ __all__ = [
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A DNS name (labels of letters, digits and hyphens) or an IPv4/IPv6 literal: what a certificate's SAN holds.
 _SERVER_NAME_RE = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+|[0-9A-Fa-f:.]+")
+TLS_SCHEMES = ("rediss", "rediss+sentinel")
 TLS_FIELDS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name", "tls_insecure_skip_verify")
 
 
@@ -143,8 +144,8 @@ def auth_problem(url: str, auth: RedisAuthConfig) -> str | None:
     scheme = parts.scheme.lower()
     tls = auth.tls_fields_set()
     if tls and scheme == "redis+sentinel":
-        return f"{tls[0]}: TLS to a Sentinel-managed master is not supported yet (a rediss:// URL is)"
-    if tls and scheme != "rediss":
+        return f"{tls[0]}: TLS options need a rediss+sentinel:// URL (TLS to the Sentinels and the master)"
+    if tls and scheme not in TLS_SCHEMES:
         return f"{tls[0]}: TLS options need a rediss:// URL (this one is {scheme}://)"
     if auth.has_password:
         field = "password_file" if auth.password_file is not None else "password_env"
@@ -243,7 +244,7 @@ def connection_kwargs(auth: RedisAuthConfig | None, url: str) -> dict[str, Any]:
     if auth.has_password:
         kwargs["credential_provider"] = PasswordProvider(
             username=auth.username, password_file=auth.password_file, password_env=auth.password_env)
-    if urlsplit(url).scheme.lower() != "rediss":
+    if urlsplit(url).scheme.lower() not in TLS_SCHEMES:
         return kwargs
     if auth.tls_insecure_skip_verify:
         kwargs["ssl_cert_reqs"] = "none"

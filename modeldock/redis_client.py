@@ -41,15 +41,16 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedSSLConnection
 from redis.backoff import NoBackoff
 
 from modeldock.clock import Clock
-from modeldock.redis_auth import RedisAuthConfig, connection_kwargs
+from modeldock.redis_auth import RedisAuthConfig, ServerNameSSLConnection, connection_kwargs
 
 __all__ = [
     "CLUSTER_HINT", "MAX_CONNECTIONS", "SENTINEL_PORT", "SENTINEL_SCHEME", "LogThrottle", "RedisClientFactory",
-    "RedisUnavailable", "SentinelUrl", "cluster_hint", "make_batch_client", "make_client_factory",
+    "RedisUnavailable", "SENTINEL_TLS_SCHEME", "SentinelUrl", "cluster_hint",
+    "is_sentinel_url", "make_batch_client", "make_client_factory",
     "make_redis_client", "parse_sentinel_url",
 ]
 
@@ -85,7 +86,7 @@ def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluste
     extra = connection_kwargs(auth, url)
     if cluster:
         return _cluster_client(url, timeout_s, batch, extra)
-    if url.lower().startswith(SENTINEL_SCHEME + "://"):
+    if is_sentinel_url(url):
         return _sentinel_client(parse_sentinel_url(url), timeout_s, batch, extra)
     if batch:
         pool: ConnectionPool = ConnectionPool.from_url(
@@ -111,6 +112,9 @@ def make_redis_client(url: str, timeout_s: float, *, batch: bool = False, cluste
 
 def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool, extra: dict[str, Any]) -> Redis:
     """`make_redis_client`'s two shapes on the master the Sentinels name."""
+    # The TLS options (redis_auth.connection_kwargs) apply to the Sentinels and the master alike; the
+    # master's password does not (the Sentinels have their own, in the URL's query).
+    tls = {key: value for key, value in extra.items() if key.startswith("ssl_")}
     sentinel = Sentinel(
         url.sentinels,
         sentinel_kwargs={
@@ -120,6 +124,7 @@ def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool, extra: dic
             "socket_connect_timeout": timeout_s,
             "username": url.sentinel_username,
             "password": url.sentinel_password,
+            **(_sentinel_tls(tls) if url.tls else {}),
         },
     )
     common: dict[str, Any] = {
@@ -132,6 +137,11 @@ def _sentinel_client(url: SentinelUrl, timeout_s: float, batch: bool, extra: dic
     }
     if "credential_provider" in extra:
         del common["username"], common["password"]
+    if url.tls:
+        common.pop("connection_class", None)
+        common["ssl"] = True  # SentinelConnectionPool then makes SentinelManagedSSLConnection ...
+        if "ssl_server_name" in common:  # ... or ours, which also checks the configured name
+            common["connection_class"] = _SentinelServerNameSSLConnection
     if batch:
         shape: dict[str, Any] = {"max_connections": BATCH_CONNECTIONS, "socket_timeout": None}
         pool_class: type[SentinelConnectionPool] = _SentinelPool
@@ -166,6 +176,18 @@ def make_client_factory(*, batch: bool, cluster: bool, auth: RedisAuthConfig | N
         return make_redis_client(url, timeout_s, batch=batch, cluster=cluster, auth=auth)
 
     return factory
+
+
+class _SentinelServerNameSSLConnection(SentinelManagedSSLConnection, ServerNameSSLConnection):
+    """A Sentinel-managed TLS connection to the master that checks `ssl_server_name` (the Sentinels name
+    the master by address)."""
+
+
+def _sentinel_tls(tls: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs of a client of a Sentinel itself over TLS. redis-py makes those clients itself, with no
+    connection class of ours, so a Sentinel's certificate is checked against the host in the URL (the
+    configured server name applies to the master, which the Sentinels name by address)."""
+    return {"ssl": True, **{key: value for key, value in tls.items() if key != "ssl_server_name"}}
 
 
 class _SentinelPool(SentinelConnectionPool):
@@ -206,6 +228,12 @@ class LogThrottle:
 
 
 SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_TLS_SCHEME = "rediss+sentinel"  # TLS to the Sentinels and to the master
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.lower().startswith((SENTINEL_SCHEME + "://", SENTINEL_TLS_SCHEME + "://"))
+
 SENTINEL_PORT = 26379
 SENTINEL_FORM = "redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master-name>[/<db>]"
 _ENCODE_HINT = " (an @ : / ? # or , in a password must be percent-encoded)"
@@ -224,9 +252,10 @@ class SentinelUrl:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    tls: bool = False  # rediss+sentinel://: the Sentinels and the master are spoken to over TLS
 
     def __repr__(self) -> str:  # never the passwords
-        return f"SentinelUrl(sentinels={self.sentinels!r}, master={self.master!r}, db={self.db})"
+        return f"SentinelUrl(sentinels={self.sentinels!r}, master={self.master!r}, db={self.db}, tls={self.tls})"
 
 
 def parse_sentinel_url(url: str) -> SentinelUrl:
@@ -236,8 +265,8 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     except ValueError:
         raise ValueError(f"a {SENTINEL_SCHEME}:// URL that does not parse; the form is {SENTINEL_FORM}"
                          + _ENCODE_HINT) from None
-    if parts.scheme != SENTINEL_SCHEME:
-        raise ValueError(f"must start with {SENTINEL_SCHEME}://")
+    if parts.scheme not in (SENTINEL_SCHEME, SENTINEL_TLS_SCHEME):
+        raise ValueError(f"must start with {SENTINEL_SCHEME}:// (or {SENTINEL_TLS_SCHEME}:// for TLS)")
     userinfo, at, hostlist = parts.netloc.rpartition("@")
     username = password = None
     if at:
@@ -267,7 +296,8 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
                              f"{' and '.join(_QUERY_KEYS)}; not{shown}")
         query[key] = value
     return SentinelUrl(sentinels, path[0], db, username, password,
-                       query.get("sentinel_username") or None, query.get("sentinel_password") or None)
+                       query.get("sentinel_username") or None, query.get("sentinel_password") or None,
+                       tls=parts.scheme == SENTINEL_TLS_SCHEME)
 
 
 def _sentinel_address(item: str, index: int, count: int) -> tuple[str, int]:

@@ -28,7 +28,7 @@ def topology_of(url: str | None, cluster: bool) -> str | None:
         return None
     if cluster:
         return "cluster"
-    return "sentinel" if url.lower().startswith("redis+sentinel://") else "standalone"
+    return "sentinel" if url.lower().startswith(("redis+sentinel://", "rediss+sentinel://")) else "standalone"
 
 
 class RedisMetrics:

@@ -19,15 +19,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 
-from modeldock.devstack.redis_server import RedisServer
+from modeldock.devstack.redis_server import RedisServer, free_port
 
-__all__ = ["RedisSentinel"]
+__all__ = ["RedisSentinel", "TLSFiles"]
 
 MASTER_NAME = "modeldock"
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A CA and a server certificate (with its key) for every node and Sentinel: the topology then speaks
+    TLS only (`rediss+sentinel://`), replication and the Sentinels' own links included."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_args(self, port: int) -> tuple[str, ...]:
+        return ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+                "--tls-replication", "yes", "--tls-auth-clients", "no")
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {"ssl": True, "ssl_ca_certs": str(self.ca), "ssl_check_hostname": False}
 
 
 class RedisSentinel:
@@ -42,6 +63,7 @@ class RedisSentinel:
         failover_timeout_ms: int = 2000,
         binary: str | None = None,
         startup_timeout_s: float = 20.0,
+        tls: TLSFiles | None = None,
     ) -> None:
         if not 1 <= quorum <= sentinels:
             raise ValueError("the quorum must be between 1 and the number of Sentinels")
@@ -53,6 +75,7 @@ class RedisSentinel:
         self.failover_timeout_ms = failover_timeout_ms
         self.binary = binary
         self.startup_timeout_s = startup_timeout_s
+        self.tls = tls
         self.nodes: list[RedisServer] = []  # the data nodes, the first master first
         self.sentinels: list[RedisServer] = []
         self.killed: list[RedisServer] = []  # masters killed by kill_master, in order
@@ -63,19 +86,20 @@ class RedisSentinel:
         if not self.sentinels:
             raise RuntimeError("the topology is not started")
         hosts = ",".join(f"127.0.0.1:{sentinel.port}" for sentinel in self.sentinels)
-        return f"redis+sentinel://{hosts}/{self.master_name}/0"
+        scheme = "rediss+sentinel" if self.tls is not None else "redis+sentinel"
+        return f"{scheme}://{hosts}/{self.master_name}/0"
 
     def start(self) -> RedisSentinel:
         """Start every node (a running topology is closed first) and wait until a failover could run."""
         self.close()
         deadline = time.monotonic() + self.startup_timeout_s
         try:
-            master = self._node(RedisServer(binary=self.binary).start())
+            master = self._node(self._server().start())
             for _ in range(self.replica_count):
-                self._node(RedisServer(binary=self.binary,
-                                       args=("--replicaof", "127.0.0.1", str(master.port))).start())
+                self._node(self._server(("--replicaof", "127.0.0.1", str(master.port))).start())
             replicas = self.nodes[1:]
-            _wait(lambda: all(_info(node.port).get("master_link_status") == "up" for node in replicas), deadline,
+            _wait(lambda: all(self._info(node.port).get("master_link_status") == "up" for node in replicas),
+                  deadline,
                   "a replica did not sync with the master")
             config = "\n".join([
                 f"sentinel monitor {self.master_name} 127.0.0.1 {master.port} {self.quorum}",
@@ -85,7 +109,7 @@ class RedisSentinel:
                 "",
             ])
             for _ in range(self.sentinel_count):
-                sentinel = RedisServer(binary=self.binary, config=config, args=("--sentinel",))
+                sentinel = self._server(("--sentinel",), config=config)
                 self.sentinels.append(sentinel)
                 sentinel.start()
             _wait(self._sentinels_ready, deadline, "the Sentinels did not see the replicas and each other")
@@ -100,7 +124,7 @@ class RedisSentinel:
             if not sentinel.running:
                 continue
             try:
-                with _client(sentinel.port) as client:
+                with self._client(sentinel.port) as client:
                     reply = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
             except redis.RedisError:
                 continue
@@ -137,7 +161,8 @@ class RedisSentinel:
             named = [port for port in self._named_masters() if port != old]
             majority = len(self.sentinels) // 2 + 1
             for node in self.nodes:
-                if node.running and named.count(node.port) >= majority and _info(node.port).get("role") == "master":
+                if (node.running and named.count(node.port) >= majority
+                        and self._info(node.port).get("role") == "master"):
                     promoted[:] = [node]
                     return True
             return False
@@ -147,7 +172,7 @@ class RedisSentinel:
 
     def flush(self) -> None:
         """Empty the master (FLUSHALL, replicated), so a shared topology starts each test clean."""
-        with _client(self.master.port) as client:
+        with self._client(self.master.port) as client:
             client.flushall()
 
     def close(self) -> None:
@@ -164,6 +189,19 @@ class RedisSentinel:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
+    def _server(self, args: tuple[str, ...] = (), config: str | None = None) -> RedisServer:
+        if self.tls is None:
+            return RedisServer(binary=self.binary, config=config, args=args)
+        port = free_port()
+        return RedisServer(binary=self.binary, port=port, config=config, tls_ca=self.tls.ca,
+                           args=(*self.tls.server_args(port), *args))
+
+    def _client(self, port: int) -> redis.Redis:
+        return _client(port, self.tls)
+
+    def _info(self, port: int) -> dict[str, str]:
+        return _info(port, self.tls)
+
     def _node(self, server: RedisServer) -> RedisServer:
         self.nodes.append(server)
         return server
@@ -171,7 +209,7 @@ class RedisSentinel:
     def _named_masters(self) -> Iterator[int]:
         for sentinel in self.sentinels:
             try:
-                with _client(sentinel.port) as client:
+                with self._client(sentinel.port) as client:
                     reply = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
             except redis.RedisError:
                 continue
@@ -180,7 +218,7 @@ class RedisSentinel:
 
     def _sentinels_ready(self) -> bool:
         for sentinel in self.sentinels:
-            with _client(sentinel.port) as client:
+            with self._client(sentinel.port) as client:
                 state = client.execute_command("SENTINEL", "MASTER", self.master_name)
             fields = dict(zip(state[::2], state[1::2], strict=True)) if isinstance(state, list) else state
             if (int(fields.get("num-slaves", 0)) < self.replica_count
@@ -189,15 +227,15 @@ class RedisSentinel:
         return True
 
 
-def _client(port: int) -> redis.Redis:
+def _client(port: int, tls: TLSFiles | None = None) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0, socket_connect_timeout=1.0,
-                       decode_responses=True)
+                       decode_responses=True, **(tls.client_kwargs() if tls is not None else {}))
 
 
-def _info(port: int) -> dict[str, str]:
+def _info(port: int, tls: TLSFiles | None = None) -> dict[str, str]:
     """INFO replication as text fields; {} when the node does not answer."""
     try:
-        with _client(port) as client:
+        with _client(port, tls) as client:
             info = client.info("replication")
     except redis.RedisError:
         return {}

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -60,12 +61,13 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(self, *, port: int | None = None, binary: str | None = None, startup_timeout_s: float = 10.0,
-                 args: Sequence[str] = (), config: str | None = None) -> None:
+                 args: Sequence[str] = (), config: str | None = None, tls_ca: Path | None = None) -> None:
         self.binary = binary or find_server_binary()
         self.port = port or free_port()
         self._port_chosen_by_us = port is None
         self.startup_timeout_s = startup_timeout_s
         self.args = tuple(args)
+        self.tls_ca = tls_ca  # the server listens over TLS (its args say so): readiness is checked over TLS
         self.dir = Path(tempfile.mkdtemp(prefix="modeldock-redis-"))
         self.config_path: Path | None = None
         if config is not None:
@@ -176,17 +178,22 @@ class RedisServer:
 
 
     def _answers(self) -> bool:
-        """The server is up: it answers PING (a subclass that speaks TLS checks over TLS)."""
-        return _answers_ping(self.port)
+        """The server is up: it answers PING (over TLS with `tls_ca`)."""
+        return _answers_ping(self.port, self.tls_ca)
 
 
 class _PortInUse(Exception):
     pass
 
 
-def _answers_ping(port: int) -> bool:
+def _answers_ping(port: int, tls_ca: Path | None = None) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as raw:
+            sock = raw
+            if tls_ca is not None:
+                context = ssl.create_default_context(cafile=str(tls_ca))
+                context.check_hostname = False
+                sock = context.wrap_socket(raw)
             sock.sendall(b"PING\r\n")
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
