@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -30,7 +29,8 @@ from types import TracebackType
 import redis
 from redis.crc import key_slot
 
-from modeldock.devstack.redis_server import RedisServer, find_server_binary
+from modeldock.devstack.redis_server import RedisServer, find_server_binary, node_client, node_info
+from modeldock.devstack.redis_server import wait_for as _wait
 from modeldock.up import free_port
 
 __all__ = ["SLOTS", "ClusterNodeInfo", "RedisClusterTopology"]
@@ -341,27 +341,8 @@ def _replicate(port: int, master_id: str) -> bool:
 
 
 def _client(port: int) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0, socket_connect_timeout=1.0,
-                       decode_responses=True)
+    return node_client(port, timeout_s=2.0)
 
 
 def _info(port: int, section: str) -> dict[str, str]:
-    """INFO <section> as text fields; {} when the node does not answer."""
-    try:
-        with _client(port) as client:
-            info = client.info(section)
-    except redis.RedisError:
-        return {}
-    return {str(key): str(value) for key, value in info.items()}
-
-
-def _wait(ready: Callable[[], bool], deadline: float, what: str) -> None:
-    while True:
-        try:
-            if ready():
-                return
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(what)
-        time.sleep(0.05)
+    return node_info(port, section, timeout_s=2.0)

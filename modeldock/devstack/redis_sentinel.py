@@ -18,7 +18,7 @@ before it died may not be on the replica that takes over.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -26,7 +26,8 @@ from typing import Any
 
 import redis
 
-from modeldock.devstack.redis_server import RedisServer, free_port
+from modeldock.devstack.redis_server import RedisServer, free_port, node_client, node_info
+from modeldock.devstack.redis_server import wait_for as _wait
 
 __all__ = ["RedisSentinel", "TLSFiles"]
 
@@ -120,17 +121,7 @@ class RedisSentinel:
 
     def master_address(self) -> tuple[str, int] | None:
         """The master's address as the first Sentinel that answers names it (None: none answers)."""
-        for sentinel in self.sentinels:
-            if not sentinel.running:
-                continue
-            try:
-                with self._client(sentinel.port) as client:
-                    reply = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
-            except redis.RedisError:
-                continue
-            if reply:
-                return str(reply[0]), int(reply[1])
-        return None
+        return next(self._named_masters(), None)
 
     @property
     def master(self) -> RedisServer:
@@ -158,7 +149,7 @@ class RedisSentinel:
         promoted: list[RedisServer] = []
 
         def done() -> bool:
-            named = [port for port in self._named_masters() if port != old]
+            named = [port for _, port in self._named_masters() if port != old]
             majority = len(self.sentinels) // 2 + 1
             for node in self.nodes:
                 if (node.running and named.count(node.port) >= majority
@@ -197,24 +188,27 @@ class RedisSentinel:
                            args=(*self.tls.server_args(port), *args))
 
     def _client(self, port: int) -> redis.Redis:
-        return _client(port, self.tls)
+        return node_client(port, **_tls_kwargs(self.tls))
 
     def _info(self, port: int) -> dict[str, str]:
-        return _info(port, self.tls)
+        return node_info(port, **_tls_kwargs(self.tls))
 
     def _node(self, server: RedisServer) -> RedisServer:
         self.nodes.append(server)
         return server
 
-    def _named_masters(self) -> Iterator[int]:
+    def _named_masters(self) -> Iterator[tuple[str, int]]:
+        """The master's address as each live Sentinel that answers names it, one after another."""
         for sentinel in self.sentinels:
+            if not sentinel.running:
+                continue
             try:
                 with self._client(sentinel.port) as client:
                     reply = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
             except redis.RedisError:
                 continue
             if reply:
-                yield int(reply[1])
+                yield str(reply[0]), int(reply[1])
 
     def _sentinels_ready(self) -> bool:
         for sentinel in self.sentinels:
@@ -227,28 +221,5 @@ class RedisSentinel:
         return True
 
 
-def _client(port: int, tls: TLSFiles | None = None) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0, socket_connect_timeout=1.0,
-                       decode_responses=True, **(tls.client_kwargs() if tls is not None else {}))
-
-
-def _info(port: int, tls: TLSFiles | None = None) -> dict[str, str]:
-    """INFO replication as text fields; {} when the node does not answer."""
-    try:
-        with _client(port, tls) as client:
-            info = client.info("replication")
-    except redis.RedisError:
-        return {}
-    return {str(key): str(value) for key, value in info.items()}
-
-
-def _wait(ready: Callable[[], bool], deadline: float, what: str) -> None:
-    while True:
-        try:
-            if ready():
-                return
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(what)
-        time.sleep(0.05)
+def _tls_kwargs(tls: TLSFiles | None) -> dict[str, Any]:
+    return tls.client_kwargs() if tls is not None else {}

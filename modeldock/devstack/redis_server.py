@@ -30,9 +30,12 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+import redis
 
 from modeldock.process import die_with_parent
 
@@ -198,6 +201,36 @@ def _answers_ping(port: int, tls_ca: Path | None = None) -> bool:
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def node_client(port: int, *, timeout_s: float = 1.0, **kwargs: Any) -> redis.Redis:
+    """A synchronous client of one node on loopback (text replies), for a topology's own checks;
+    `kwargs`: redis-py's (e.g. its TLS options)."""
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=timeout_s, socket_connect_timeout=1.0,
+                       decode_responses=True, **kwargs)
+
+
+def node_info(port: int, section: str = "replication", *, timeout_s: float = 1.0, **kwargs: Any) -> dict[str, str]:
+    """INFO <section> of one node as text fields; {} when the node does not answer."""
+    try:
+        with node_client(port, timeout_s=timeout_s, **kwargs) as client:
+            info = client.info(section)
+    except redis.RedisError:
+        return {}
+    return {str(key): str(value) for key, value in info.items()}
+
+
+def wait_for(ready: Callable[[], bool], deadline: float, what: str) -> None:
+    """Poll `ready` (a Redis error counts as not yet) until it holds; RuntimeError(`what`) past `deadline`."""
+    while True:
+        try:
+            if ready():
+                return
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(what)
+        time.sleep(0.05)
 
 
 @atexit.register
