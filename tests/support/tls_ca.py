@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
-import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from modeldock.devstack.redis_sentinel import TLSFiles
 from tests.support.redis_server import RedisServer
 
 __all__ = ["Issued", "RedisTLS", "TestCA"]
@@ -90,37 +90,30 @@ class TestCA:
 
 
 class RedisTLS(RedisServer):
-    """A redis-server that listens only over TLS (on `port`), with `server`'s certificate; with
-    `require_client_cert`, clients must present a certificate the CA signed (`tls-auth-clients yes`)."""
+    """A redis-server that listens only over TLS (on `port`), with `server`'s certificate (the args of
+    devstack's `TLSFiles`, as a TLS Sentinel topology's nodes); with `require_client_cert`, clients must
+    present a certificate the CA signed (`tls-auth-clients yes`)."""
 
     def __init__(self, ca: TestCA, server: Issued, *, require_client_cert: bool = False,
                  extra_args: Sequence[str] = ()) -> None:
-        super().__init__()
+        super().__init__(tls_ca=ca.cert)
         self.ca = ca
         self._require = require_client_cert
-        # TLS on `port`; the later `--port 0` overrides RedisServer's `--port <port>`: no plain listener.
-        self.args = ("--tls-port", str(self.port), "--tls-cert-file", str(server.cert),
-                     "--tls-key-file", str(server.key), "--tls-ca-cert-file", str(ca.cert),
-                     "--tls-auth-clients", "yes" if require_client_cert else "no", "--port", "0", *extra_args)
+        files = TLSFiles(ca.cert, server.cert, server.key)
+        # A later option wins: the client certificate required or not, as asked.
+        self.args = (*files.server_args(self.port), "--tls-auth-clients", "yes" if require_client_cert else "no",
+                     *extra_args)
 
     @property
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}/0"
 
     def _answers(self) -> bool:
-        if self._require:
-            # A handshake without a client certificate is refused: up once the port accepts.
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return True
-            except OSError:
-                return False
-        context = ssl.create_default_context(cafile=str(self.ca.cert))
-        context.check_hostname = False
+        if not self._require:
+            return super()._answers()  # PING over TLS
+        # A handshake without a client certificate is refused: up once the port accepts.
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw, \
-                    context.wrap_socket(raw) as tls:
-                tls.sendall(b"PING\r\n")
-                return tls.recv(16).startswith(b"+PONG")
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
         except OSError:
             return False
