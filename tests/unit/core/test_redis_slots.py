@@ -190,11 +190,12 @@ def _strip_comments(lua: str) -> str:
     return "".join(out)
 
 
-def _balanced(lua: str, start: int) -> int:
-    """The index just past the bracket closing the one at `start` (strings skipped)."""
+def _outside_strings(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """(index, character, bracket depth after it) for each character from `start` not inside a string
+    literal (quotes and escapes followed)."""
     depth, i, quote = 0, start, ""
-    while i < len(lua):
-        c = lua[i]
+    while i < len(text):
+        c = text[i]
         if quote:
             if c == "\\":
                 i += 1
@@ -202,45 +203,25 @@ def _balanced(lua: str, start: int) -> int:
                 quote = ""
         elif c in "'\"":
             quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+        else:
+            depth += 1 if c in "([{" else -1 if c in ")]}" else 0
+            yield i, c, depth
         i += 1
+
+
+def _balanced(lua: str, start: int) -> int:
+    """The index just past the bracket closing the one at `start` (strings skipped)."""
+    for i, c, depth in _outside_strings(lua, start):
+        if c in ")]}" and depth == 0:
+            return i + 1
     raise AssertionError(f"unbalanced brackets in Lua from: {lua[start:start + 60]!r}")
 
 
 def _split_top(expr: str, sep: str = ",") -> list[str]:
-    parts, depth, quote, cur = [], 0, "", []
-    i = 0
-    while i < len(expr):
-        c = expr[i]
-        if quote:
-            if c == "\\":
-                cur.append(expr[i : i + 2])
-                i += 2
-                continue
-            if c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == sep and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-            i += 1
-            continue
-        cur.append(c)
-        i += 1
-    tail = "".join(cur).strip()
-    if tail or parts:
-        parts.append(tail)
-    return parts
+    cuts = [i for i, c, depth in _outside_strings(expr) if c == sep and depth == 0]
+    bounds = [-1, *cuts, len(expr)]
+    parts = [expr[a + 1 : b].strip() for a, b in zip(bounds, bounds[1:], strict=False)]
+    return parts if cuts or parts[-1] else []
 
 
 def calls_of(lua: str, name: str) -> list[tuple[int, list[str]]]:
